@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` (main job) and `make test` (whole test suite).
+# Each does the setup it needs; setup is idempotent and fast once done.
+CARGO ?= cargo
+
+.PHONY: demo test setup data doc lint bench clean
+
+setup:
+	@bash scripts/setup-libtorch.sh
+
+data:
+	@bash scripts/setup-data.sh
+
+demo: setup data
+	$(CARGO) run --release --example fashion_mnist -- $(ARGS)
+
+test: setup data
+	$(CARGO) test --all-targets $(TESTFLAGS)
+	$(CARGO) test --doc
+
+doc: setup
+	$(CARGO) doc --no-deps
+
+lint: setup
+	$(CARGO) clippy --all-targets -- -D warnings
+
+bench: setup
+	$(CARGO) run --release --example bench
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,62 @@
+//! Compiles the C++ shim (`src/shim/*.cpp`) against the libtorch that torch-sys links, and
+//! emits an rpath so tests, examples and binaries run without `LD_LIBRARY_PATH`.
+use std::env;
+use std::path::{Path, PathBuf};
+
+const TORCH_VERSION: &str = "2.13.0";
+
+fn torch_version(torch_dir: &Path) -> Option<String> {
+    if let Ok(text) = std::fs::read_to_string(torch_dir.join("version.py")) {
+        let line = text.lines().find(|l| l.starts_with("__version__"))?;
+        let v = line.split(['\'', '"']).nth(1)?;
+        return Some(v.split('+').next()?.to_string());
+    }
+    let text = std::fs::read_to_string(torch_dir.join("build-version")).ok()?;
+    Some(text.trim().split('+').next()?.to_string())
+}
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/shim");
+    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    // torch-sys is a direct dependency with `links = "tch"`: it hands us its libtorch lib dir.
+    let lib_dir = PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").unwrap_or_else(|_| {
+        panic!("tch-amp: torch-sys did not export DEP_TCH_LIBTORCH_LIB; run `make setup` or set LIBTORCH")
+    }));
+    let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    if env::var_os("LIBTORCH_BYPASS_VERSION_CHECK").is_none() {
+        if let Some(found) = torch_version(&torch_dir) {
+            if found != TORCH_VERSION {
+                panic!(
+                    "tch-amp: tch 0.26.0 needs libtorch {TORCH_VERSION}, found {found} at {}; \
+                     run `make setup` (installs torch=={TORCH_VERSION} from PyPI) or point LIBTORCH at libtorch {TORCH_VERSION}",
+                    torch_dir.display()
+                );
+            }
+        }
+    }
+    let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string());
+    let mut sources: Vec<PathBuf> = std::fs::read_dir("src/shim")
+        .expect("src/shim exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cpp"))
+        .collect();
+    sources.sort();
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .include(torch_dir.join("include"))
+        .include(torch_dir.join("include/torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .files(&sources)
+        .compile("tch_amp_shim");
+    // Tests, examples and benches of this crate find libtorch without LD_LIBRARY_PATH.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    // Dependents read this as DEP_TCH_AMP_LIBTORCH_LIB to emit the same rpath.
+    println!("cargo:libtorch_lib={}", lib_dir.display());
+}

@@ -1,0 +1,30 @@
+//! Raw bindings to the C++ shim (`src/shim/*.cpp`) and the conversion of its error channel
+//! into [`AmpError::Shim`]. Nothing here is public API.
+use std::ffi::{c_char, c_int, CStr};
+
+use crate::error::AmpError;
+
+extern "C" {
+    pub(crate) fn tch_amp_free_error(err: *mut c_char);
+    pub(crate) fn tch_amp_autocast_get(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> *mut c_char;
+    pub(crate) fn tch_amp_autocast_set(
+        device_type: c_int,
+        enabled: c_int,
+        dtype: c_int,
+        prev_enabled: *mut c_int,
+        prev_dtype: *mut c_int,
+    ) -> *mut c_char;
+    pub(crate) fn tch_amp_autocast_clear_cache() -> *mut c_char;
+    pub(crate) fn tch_amp_find_schema(name: *const c_char, overload: *const c_char) -> *mut c_char;
+}
+
+/// Turns the shim's return value (NULL or an owned message) into a `Result`.
+pub(crate) fn check(err: *mut c_char, what: &'static str) -> Result<(), AmpError> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string from strdup, owned by us.
+    let message = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+    unsafe { tch_amp_free_error(err) };
+    Err(AmpError::Shim { what, message })
+}
