@@ -53,6 +53,7 @@ fn main() {
         .define("GLOG_USE_GLOG_EXPORT", None)
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
+        .flag_if_supported("-Wno-c++20-extensions")
         .files(&sources)
         .compile("tch_amp_shim");
     // Tests, examples and benches of this crate find libtorch without LD_LIBRARY_PATH.

@@ -28,3 +28,21 @@ pub(crate) fn check(err: *mut c_char, what: &'static str) -> Result<(), AmpError
     unsafe { tch_amp_free_error(err) };
     Err(AmpError::Shim { what, message })
 }
+
+use torch_sys::C_tensor;
+
+extern "C" {
+    pub(crate) fn tch_amp_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+    pub(crate) fn tch_amp_unscale_(
+        grads: *const *mut C_tensor,
+        n: c_int,
+        found_inf: *mut C_tensor,
+        inv_scale: *mut C_tensor,
+    ) -> *mut c_char;
+    pub(crate) fn tch_amp_total_norm(
+        tensors: *const *mut C_tensor,
+        n: c_int,
+        norm_type: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+}
