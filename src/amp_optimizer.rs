@@ -62,7 +62,8 @@ impl AmpOptimizer {
         verbosity: u8,
     ) -> Result<Self> {
         let params = entries.iter().map(|e| e.stepped().shallow_clone()).collect();
-        let inner = Optimizer::new(config, lr, params)?;
+        let groups = entries.iter().map(|e| e.group).collect();
+        let inner = Optimizer::new(config, lr, params, groups)?;
         let stash = entries.iter().map(|_| None).collect();
         Ok(Self {
             amp_id,
@@ -83,14 +84,31 @@ impl AmpOptimizer {
         self.inner.lr
     }
 
-    /// Sets the learning rate.
+    /// Sets the learning rate of every parameter group.
     ///
     /// # Errors
     /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         check_lr(lr)?;
         self.inner.lr = lr;
+        self.inner.group_lr.clear();
         Ok(())
+    }
+
+    /// Sets the learning rate of one parameter group (variables created under
+    /// `vs.root().set_group(group)`), as torch's per-group `lr`.
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        check_lr(lr)?;
+        self.inner.group_lr.insert(group, lr);
+        Ok(())
+    }
+
+    /// The learning rate of `group`.
+    pub fn lr_group(&self, group: usize) -> f64 {
+        self.inner.group_lr.get(&group).copied().unwrap_or(self.inner.lr)
     }
 
     /// The optimizer's configuration.
@@ -173,6 +191,13 @@ impl AmpOptimizer {
             self.inner.step()?;
         }
         copy_masters_to_model(&self.entries)?;
+        // As Apex: master grads are not reached by zeroing the model's grads, so they are
+        // released here (which also frees their memory until the next backward).
+        for e in &self.entries {
+            if let Some(m) = &e.master {
+                clear_grad(m)?;
+            }
+        }
         self.steps += 1;
         Ok(StepOutcome::Stepped)
     }
@@ -301,13 +326,14 @@ impl AmpOptimizer {
     /// buffers and master values.
     pub(crate) fn restore(
         &mut self,
-        lr: f64,
+        (lr, group_lr): (f64, std::collections::BTreeMap<usize, f64>),
         steps: u64,
         skipped: u64,
         per_param: Vec<(u64, std::collections::BTreeMap<&'static str, Tensor>, Option<Tensor>)>,
     ) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
         self.inner.lr = lr;
+        self.inner.group_lr = group_lr;
         self.steps = steps;
         self.skipped = skipped;
         for ((e, st), (step, buffers, master)) in self.entries.iter().zip(self.inner.state.iter_mut()).zip(per_param) {

@@ -128,7 +128,9 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
         .iter()
         .map(|o| {
             let (steps, skipped) = o.step_counts();
-            serde_json::json!({ "lr": o.lr(), "steps": steps, "skipped": skipped, "params": o.param_names() })
+            serde_json::json!({
+                "lr": o.lr(), "group_lr": o.inner.group_lr, "steps": steps, "skipped": skipped, "params": o.param_names()
+            })
         })
         .collect();
     let mut meta = HashMap::new();
@@ -226,6 +228,7 @@ pub fn load_checkpoint(
             return Err(mismatch(format!("optimizer {i} covers other parameters than the checkpoint's")));
         }
         let lr = m["lr"].as_f64().ok_or_else(|| mismatch(format!("optimizer {i}: no lr")))?;
+        let group_lr: BTreeMap<usize, f64> = serde_json::from_value(m["group_lr"].clone()).unwrap_or_default();
         let steps = m["steps"].as_u64().unwrap_or(0);
         let skipped = m["skipped"].as_u64().unwrap_or(0);
         let mut per_param = Vec::new();
@@ -250,7 +253,7 @@ pub fn load_checkpoint(
             };
             per_param.push((step.max(0) as u64, buffers, master));
         }
-        optim_vals.push((lr, steps, skipped, per_param));
+        optim_vals.push(((lr, group_lr), steps, skipped, per_param));
     }
     // Phase 2: apply (all checks passed).
     let _no_grad = tch::no_grad_guard();

@@ -12,6 +12,8 @@ pub(crate) struct ParamEntry {
     pub(crate) name: String,
     /// The model's variable (shares storage with the model's layers).
     pub(crate) model: Tensor,
+    /// The parameter group (tch's `Path::set_group`), for per-group learning rates.
+    pub(crate) group: usize,
     /// The fp32 master copy, for a low-precision variable under master weights. Variables that
     /// are already fp32 (batch norm under O2) are their own masters: `None`.
     pub(crate) master: Option<Tensor>,
@@ -37,6 +39,10 @@ pub(crate) fn under_prefix(name: &str, prefixes: &[&str]) -> bool {
 /// fp32 masters for the low-precision ones when `master_weights`.
 pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bool) -> Result<Vec<ParamEntry>> {
     let vars = vs.variables();
+    let trainable: Vec<(Tensor, usize)> = {
+        let v = vs.variables_.lock().map_err(|_| AmpError::Usage("the VarStore's lock is poisoned".into()))?;
+        v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect()
+    };
     let mut names: Vec<&String> = vars.keys().filter(|n| under_prefix(n, prefixes)).collect();
     names.sort();
     if names.is_empty() && !prefixes.is_empty() {
@@ -54,7 +60,8 @@ pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bo
         } else {
             None
         };
-        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), master });
+        let group = trainable.iter().find(|(t, _)| t.is_set_to(var)).map_or(0, |(_, g)| *g);
+        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), group, master });
     }
     Ok(entries)
 }

@@ -85,23 +85,27 @@ impl ParamState {
 #[derive(Debug)]
 pub(crate) struct Optimizer {
     pub(crate) config: OptimizerConfig,
+    /// Learning rate of every group without its own.
     pub(crate) lr: f64,
+    /// Per-group learning rates (tch's `Path::set_group`), overriding `lr`.
+    pub(crate) group_lr: BTreeMap<usize, f64>,
     pub(crate) params: Vec<Tensor>,
+    pub(crate) groups: Vec<usize>,
     pub(crate) state: Vec<ParamState>,
 }
 
 impl Optimizer {
-    pub(crate) fn new(config: OptimizerConfig, lr: f64, params: Vec<Tensor>) -> Result<Self> {
+    pub(crate) fn new(config: OptimizerConfig, lr: f64, params: Vec<Tensor>, groups: Vec<usize>) -> Result<Self> {
         check_lr(lr)?;
         let state = params.iter().map(|_| ParamState::default()).collect();
-        Ok(Self { config, lr, params, state })
+        Ok(Self { config, lr, group_lr: BTreeMap::new(), params, groups, state })
     }
 
     /// One update of every parameter that has a gradient (PyTorch skips the others too).
     pub(crate) fn step(&mut self) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        let lr = self.lr;
-        for (p, st) in self.params.iter().zip(self.state.iter_mut()) {
+        for ((p, st), group) in self.params.iter().zip(self.state.iter_mut()).zip(&self.groups) {
+            let lr = self.group_lr.get(group).copied().unwrap_or(self.lr);
             let grad = p.grad();
             if !grad.defined() {
                 continue;

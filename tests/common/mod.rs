@@ -1,0 +1,46 @@
+//! Shared helpers for the integration tests.
+#![allow(dead_code)]
+use tch::nn::{self, Module, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// Element-wise exact equality (same shape, same dtype, same bits for finite values).
+pub fn same(a: &Tensor, b: &Tensor) -> bool {
+    a.size() == b.size() && a.kind() == b.kind() && a.equal(b)
+}
+
+/// Max |a - b| computed in fp64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
+}
+
+/// A small MLP with batch norm: `fc1` (8→16), `bn1`, relu, `fc2` (16→4).
+#[derive(Debug)]
+pub struct Mlp {
+    pub fc1: nn::Linear,
+    pub bn1: nn::BatchNorm,
+    pub fc2: nn::Linear,
+}
+
+impl Mlp {
+    pub fn new(p: &nn::Path) -> Self {
+        Self {
+            fc1: nn::linear(p / "fc1", 8, 16, Default::default()),
+            bn1: nn::batch_norm1d(p / "bn1", 16, Default::default()),
+            fc2: nn::linear(p / "fc2", 16, 4, Default::default()),
+        }
+    }
+}
+
+impl ModuleT for Mlp {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.fc2.forward(&self.bn1.forward_t(&self.fc1.forward(xs), train).relu())
+    }
+}
+
+/// A deterministic batch: inputs [n, 8] and targets [n, 4].
+pub fn batch(seed: i64, n: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let x = Tensor::randn([n, 8], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([n, 4], (Kind::Float, Device::Cpu));
+    (x, y)
+}
