@@ -14,8 +14,7 @@ demo: setup data
 	$(CARGO) run --release --example fashion_mnist -- $(ARGS)
 
 test: setup data
-	$(CARGO) test --all-targets $(TESTFLAGS)
-	$(CARGO) test --doc
+	$(CARGO) test $(TESTFLAGS)
 
 doc: setup
 	$(CARGO) doc --no-deps

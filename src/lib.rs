@@ -1,6 +1,66 @@
 //! # tch-amp
 //!
-//! NVIDIA Apex's automatic mixed precision for [tch](https://docs.rs/tch) (libtorch 2.13).
+//! NVIDIA Apex's automatic mixed precision (`apex.amp`) for [tch](https://docs.rs/tch), the
+//! Rust bindings to libtorch 2.13, on CPU and CUDA. A script ported from Apex keeps its shape:
+//! pick an opt level, [`initialize`], wrap backward in [`Amp::scale_loss`], clip on the fp32
+//! master parameters, [`AmpOptimizer::step`], save and resume with [`save_checkpoint`] /
+//! [`load_checkpoint`].
+//!
+//! The types met first:
+//! - [`AmpConfig`]: an [`OptLevel`] (O0 fp32, O1 per-op casts, O2 fp16 model with fp32 masters,
+//!   O3 pure fp16) plus Apex's overrides; [`AmpConfig::build`] checks Apex's rules and gives
+//!   [`Properties`].
+//! - [`Amp`]: the loss scalers (one per loss, [`LossScaler`]) and `scale_loss`.
+//! - [`AmpModel`]: the model wrapper (inputs to fp16, outputs to fp32 under O2/O3).
+//! - [`AmpOptimizer`]: SGD/Adam/AdamW/RMSprop (tch's configs) stepping the fp32 masters;
+//!   `step()` says whether it stepped or skipped after an overflow.
+//!
+//! ```
+//! use tch::nn::{self, ModuleT};
+//! use tch::{Device, Kind, Tensor};
+//! use tch_amp::{AmpConfig, OptLevel, StepOutcome};
+//! # fn main() -> Result<(), tch_amp::AmpError> {
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let net = nn::seq_t()
+//!     .add(nn::linear(vs.root() / "fc1", 16, 32, Default::default()))
+//!     .add_fn(|x| x.relu())
+//!     .add(nn::linear(vs.root() / "fc2", 32, 4, Default::default()));
+//! // Apex: model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+//! let (model, mut opt, mut amp) =
+//!     tch_amp::initialize(&vs, net, nn::Adam::default(), 1e-3, &AmpConfig::new(OptLevel::O2))?;
+//! for _ in 0..3 {
+//!     let x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));
+//!     let y = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+//!     let loss = model.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+//!     opt.zero_grad()?;
+//!     // Apex: with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()
+//!     amp.scale_loss(&loss, &mut [&mut opt], |scaled| scaled.backward())?;
+//!     // Apex: clip_grad_norm_(amp.master_params(optimizer), 1.0)
+//!     let _norm = opt.clip_grad_norm(1.0, 2.0)?;
+//!     match opt.step()? {
+//!         StepOutcome::Stepped => {}
+//!         StepOutcome::Skipped { loss_scale, .. } => println!("overflow, scale now {loss_scale}"),
+//!     }
+//! }
+//! assert_eq!(vs.variables()["fc1.weight"].kind(), Kind::Half);
+//! let path = std::env::temp_dir().join(format!("tch-amp-doc-{}.safetensors", std::process::id()));
+//! tch_amp::save_checkpoint(&path, &vs, &[&opt], &amp)?;
+//! tch_amp::load_checkpoint(&path, &vs, &mut [&mut opt], &mut amp)?;
+//! # std::fs::remove_file(&path).ok();
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Where tch-amp differs from Apex, and why
+//! - Resume is bit-exact: checkpoints hold the fp32 masters and the optimizer state (Apex
+//!   rebuilds masters from the fp16 model, losing bits).
+//! - The dynamic scale has a floor ([`DEFAULT_MIN_LOSS_SCALE`], 2^-24) when `min_loss_scale` is
+//!   not given (Apex's could decay to denormals).
+//! - `step()` returns [`StepOutcome`]; `clip_grad_norm` returns the norm, computed in fp32.
+//! - Loading a state or checkpoint validates everything first and applies nothing on error.
+//! - The optimizers are tch-amp's own implementations of PyTorch's update rules (tch's
+//!   libtorch optimizers expose no state to checkpoint).
+//! - Everything runs on CPU too (Apex rejects CPU tensors).
 #![deny(missing_docs)]
 
 mod amp;
