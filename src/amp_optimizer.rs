@@ -29,6 +29,41 @@ impl StepOutcome {
     }
 }
 
+/// Bytes held by the tensors an optimizer manages, as [`AmpOptimizer::memory`] counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Number of trainable parameters (elements).
+    pub params: usize,
+    /// The model's trainable variables.
+    pub weights: usize,
+    /// fp32 master copies (0 without master weights; self-mastered fp32 variables count once,
+    /// under `weights`).
+    pub masters: usize,
+    /// Gradients alive now (model and master).
+    pub grads: usize,
+    /// Optimizer state (moments, momentum buffers).
+    pub optimizer_state: usize,
+}
+
+impl MemoryReport {
+    /// Everything together.
+    pub fn total(&self) -> usize {
+        self.weights + self.masters + self.grads + self.optimizer_state
+    }
+    /// Bytes per trainable parameter.
+    pub fn bytes_per_param(&self) -> f64 {
+        self.total() as f64 / self.params.max(1) as f64
+    }
+}
+
+fn bytes(t: &Tensor) -> usize {
+    if t.defined() {
+        t.numel() * t.kind().elt_size_in_bytes()
+    } else {
+        0
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct PendingSkip {
     loss_id: usize,
@@ -131,6 +166,22 @@ impl AmpOptimizer {
     /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
     pub fn param_names(&self) -> Vec<&str> {
         self.entries.iter().map(|e| e.name.as_str()).collect()
+    }
+
+    /// Bytes held right now by the weights, masters, gradients and optimizer state.
+    pub fn memory(&self) -> MemoryReport {
+        let mut r = MemoryReport::default();
+        for (e, st) in self.entries.iter().zip(&self.inner.state) {
+            r.params += e.model.numel();
+            r.weights += bytes(&e.model);
+            r.grads += bytes(&e.model.grad());
+            if let Some(m) = &e.master {
+                r.masters += bytes(m);
+                r.grads += bytes(&m.grad());
+            }
+            r.optimizer_state += st.buffers.values().map(bytes).sum::<usize>();
+        }
+        r
     }
 
     /// Whether the next [`Self::step`] will be skipped (an overflow was seen).

@@ -34,9 +34,14 @@ pub(crate) fn take_grad(t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(g))
 }
 
-/// In place `g *= inv_scale` for every grad, and `found_inf` set to 1.0 when any element is
-/// inf or NaN (one fused pass per dtype, no host sync).
-pub(crate) fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+/// In place `g *= inv_scale` for every tensor of `grads`, and `found_inf` (a 1-element fp32
+/// tensor on the grads' device) set to 1.0 when any element is inf or NaN: one fused pass per
+/// dtype group (libtorch's `_amp_foreach_non_finite_check_and_unscale_`), no host sync. This is
+/// what `scale_loss` runs at exit; it is public for custom training loops and benchmarks.
+///
+/// # Errors
+/// [`AmpError::Shim`] when libtorch rejects the inputs (e.g. tensors on different devices).
+pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     if grads.is_empty() {
         return Ok(());
     }

@@ -85,7 +85,7 @@ mod scaler;
 pub mod o1;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
-pub use amp_optimizer::{AmpOptimizer, StepOutcome};
+pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use amp_state::AmpState;
 pub use aten::check_aten_op;
 pub use autocast::{autocast, autocast_state, clear_autocast_cache, AutocastGuard, AutocastState};
@@ -93,6 +93,7 @@ pub use cast_model::CastReport;
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use config::{AmpConfig, DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE};
 pub use error::{AmpError, Result};
+pub use grads::unscale_;
 pub use model::AmpModel;
 pub use opt_level::{LevelDefaults, OptLevel};
 pub use optim::OptimizerConfig;
