@@ -23,7 +23,7 @@ lint: setup
 	$(CARGO) clippy --all-targets -- -D warnings
 
 bench: setup
-	$(CARGO) run --release --example bench
+	$(CARGO) bench --bench amp
 
 clean:
 	$(CARGO) clean
