@@ -107,7 +107,7 @@ fn unscale_vs_copy() -> (f64, f64) {
     let unscale = time_steps(20, || tch_amp::unscale_(&grads, &found_inf, &inv).unwrap());
     let copy = time_steps(20, || {
         for (d, g) in dst.iter().zip(&grads) {
-            let _ = d.shallow_clone().copy_(g);
+            d.shallow_clone().copy_(g);
         }
     });
     (bytes / unscale / 1e6, bytes / copy / 1e6) // GB/s

@@ -392,7 +392,7 @@ impl AmpOptimizer {
             st.buffers = buffers;
             if let (Some(m), Some(v)) = (&e.master, master) {
                 let mut m = m.shallow_clone();
-                let _ = m.f_copy_(&v).ctx("restoring a master weight")?;
+                m.f_copy_(&v).ctx("restoring a master weight")?;
             }
         }
         self.zero_grad()?;

@@ -119,7 +119,7 @@ impl Amp {
         if !(backoff > 0.0 && backoff < 1.0) {
             return Err(mismatch(format!("backoff_factor {backoff} must be in (0, 1)")));
         }
-        if !(interval >= 1.0 && interval.fract() == 0.0) || !(tracker >= 0.0 && tracker.fract() == 0.0) {
+        if !(interval >= 1.0 && interval.fract() == 0.0 && tracker >= 0.0 && tracker.fract() == 0.0) {
             return Err(mismatch("growth_interval and _growth_tracker must be non-negative integers (interval >= 1)"));
         }
         let state = ScalerState { loss_scale: scale, unskipped: tracker as u64 };

@@ -259,7 +259,7 @@ pub fn load_checkpoint(
     let _no_grad = tch::no_grad_guard();
     for (var, t) in model_vals {
         let mut v = var;
-        let _ = v.f_copy_(&t).ctx("restoring a model variable")?;
+        v.f_copy_(&t).ctx("restoring a model variable")?;
     }
     for (o, (lr, steps, skipped, per_param)) in optimizers.iter_mut().zip(optim_vals) {
         o.restore(lr, steps, skipped, per_param)?;

@@ -72,7 +72,7 @@ pub(crate) fn copy_masters_to_model(entries: &[ParamEntry]) -> Result<()> {
     for e in entries {
         if let Some(master) = &e.master {
             let mut m = e.model.shallow_clone();
-            let _ = m.f_copy_(master).ctx("copying master weights into the model")?;
+            m.f_copy_(master).ctx("copying master weights into the model")?;
         }
     }
     Ok(())

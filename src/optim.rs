@@ -172,7 +172,7 @@ fn adam(p: &mut Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, beta1: f64,
     let second = if amsgrad {
         let mut max_sq = st.buffer("max_exp_avg_sq", p)?;
         let m = max_sq.f_maximum(&exp_avg_sq).ctx("amsgrad")?;
-        let _ = max_sq.f_copy_(&m).ctx("amsgrad")?;
+        max_sq.f_copy_(&m).ctx("amsgrad")?;
         max_sq
     } else {
         exp_avg_sq
