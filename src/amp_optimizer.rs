@@ -13,7 +13,8 @@ pub enum StepOutcome {
     /// The parameters were updated.
     Stepped,
     /// The step was skipped because a loss that reached this optimizer overflowed; weights,
-    /// masters and optimizer state are untouched, master gradients cleared.
+    /// masters and optimizer state are untouched, and every gradient of the optimizer (model
+    /// and master) is cleared.
     Skipped {
         /// The loss whose scaler saw the overflow.
         loss_id: usize,
@@ -215,11 +216,10 @@ impl AmpOptimizer {
     /// `delay_unscale`); [`AmpError::Torch`] if an update fails.
     pub fn step(&mut self) -> Result<StepOutcome> {
         if let Some(skip) = self.skip_next.take() {
-            for e in &self.entries {
-                if let Some(m) = &e.master {
-                    clear_grad(m)?;
-                }
-            }
+            // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex clears
+            // only the masters of fp16 variables, so an fp32 variable's inf survives into the
+            // next pass when the caller accumulates without zero_grad.)
+            self.zero_grad()?;
             self.skipped += 1;
             if self.verbosity >= 1 {
                 println!(
