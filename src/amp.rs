@@ -12,11 +12,48 @@ use crate::config::AmpConfig;
 use crate::error::{AmpError, Result, TorchContext};
 use crate::master_weights::build_entries;
 use crate::model::AmpModel;
+use crate::o1::{install_policy, without_casts, ActivePolicyGuard, CastPolicy, O1Settings, PolicyHandle};
 use crate::optim::OptimizerConfig;
 use crate::properties::Properties;
 use crate::scaler::LossScaler;
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The cast policy an `Amp` keeps active on its thread: Apex's O1 lists, or under O2/O3 on CPU
+/// the emulation-only policy. Guards drop before the handle (field order).
+#[derive(Debug)]
+struct CastRuntime {
+    _active: Vec<ActivePolicyGuard>,
+    _handle: PolicyHandle,
+}
+
+impl CastRuntime {
+    fn for_properties(p: &Properties) -> Result<Option<Self>> {
+        if !p.enabled {
+            return Ok(None);
+        }
+        let settings = O1Settings::default()
+            .allow_banned(p.allow_banned)
+            .emulate_cpu(p.emulate_low_precision_on_cpu);
+        let (policy, settings, devices) = if p.patch_torch_functions {
+            let mut devices = vec![Device::Cpu];
+            if tch::Cuda::is_available() {
+                devices.push(Device::Cuda(0));
+            }
+            (p.cast_policy.clone(), settings.low_dtype(p.low_precision_dtype), devices)
+        } else {
+            match p.cast_model_type {
+                Some(k @ (Kind::Half | Kind::BFloat16)) if p.emulate_low_precision_on_cpu => {
+                    (CastPolicy::emulation_only(), settings.low_dtype(k), vec![Device::Cpu])
+                }
+                _ => return Ok(None),
+            }
+        };
+        let handle = install_policy(policy, settings)?;
+        let active = devices.into_iter().map(|d| handle.activate(d)).collect::<Result<Vec<_>>>()?;
+        Ok(Some(Self { _active: active, _handle: handle }))
+    }
+}
 
 /// Options of one [`Amp::scale_loss_with`] call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -54,26 +91,40 @@ pub struct Amp {
     id: u64,
     props: Properties,
     scalers: Vec<LossScaler>,
+    casts: Option<CastRuntime>,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl Amp {
-    /// Resolves `config` (Apex's rules checked) and makes the scalers.
+    /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, installs the
+    /// cast policy and activates it on this thread (CPU, and CUDA when available) for as long as
+    /// the `Amp` lives. Under O2/O3 with an fp16/bf16 model and CPU emulation on (the default),
+    /// the emulation-only policy is activated for CPU the same way.
     ///
     /// # Errors
-    /// Any rejection of [`AmpConfig::build`].
+    /// Any rejection of [`AmpConfig::build`]; the policy's errors (an unknown op in a user
+    /// cast: [`AmpError::UnknownOp`]).
     pub fn new(config: &AmpConfig) -> Result<Self> {
-        let props = config.build()?;
-        Ok(Self::from_properties(props))
+        Self::from_properties(config.build()?)
     }
 
     /// An `Amp` from already resolved properties.
-    pub fn from_properties(props: Properties) -> Self {
+    ///
+    /// # Errors
+    /// As [`Self::new`], for the cast policy.
+    pub fn from_properties(props: Properties) -> Result<Self> {
         let scalers = (0..props.num_losses).map(|_| LossScaler::new(&props)).collect();
         if props.verbosity >= 2 {
             println!("tch-amp: {props:?}");
         }
-        Self { id: NEXT_AMP_ID.fetch_add(1, Ordering::Relaxed), props, scalers, _thread_bound: PhantomData }
+        let casts = CastRuntime::for_properties(&props)?;
+        Ok(Self { id: NEXT_AMP_ID.fetch_add(1, Ordering::Relaxed), props, scalers, casts, _thread_bound: PhantomData })
+    }
+
+    /// Whether a cast policy (O1, or the CPU emulation under O2/O3) is active on this thread
+    /// through this `Amp`.
+    pub fn casts_active(&self) -> bool {
+        self.casts.is_some()
     }
 
     /// The resolved options.
@@ -230,7 +281,7 @@ impl Amp {
         let pass_through = !p.enabled || (!p.master_weights && !dynamic && scale == 1.0);
         if pass_through {
             let l = if p.enabled { loss.f_to_kind(Kind::Float).ctx("loss.float()")? } else { loss.shallow_clone() };
-            let r = backward(&l).ctx("backward");
+            let r = self.run_backward(backward, &l)?;
             if patch {
                 crate::o1::clear_cast_cache()?;
             }
@@ -250,7 +301,7 @@ impl Amp {
             }
         }
         let scaled = (loss.f_to_kind(Kind::Float).ctx("loss.float()")? * scale).shallow_clone();
-        let r = backward(&scaled).ctx("backward");
+        let r = self.run_backward(backward, &scaled)?;
         if patch {
             crate::o1::clear_cast_cache()?;
         }
@@ -298,6 +349,23 @@ impl Amp {
         })
     }
 
+}
+
+impl Amp {
+    /// Runs the user's backward with the cast policy off on this thread, so that backward ops
+    /// (on CUDA, also those on autograd's device threads, which inherit autocast's state) are
+    /// never cast: as under Apex, backward runs in the dtypes the forward's casts gave it.
+    fn run_backward(
+        &self,
+        backward: impl FnOnce(&Tensor) -> std::result::Result<(), TchError>,
+        loss: &Tensor,
+    ) -> Result<std::result::Result<(), AmpError>> {
+        if self.casts.is_some() {
+            Ok(without_casts(|| backward(loss).ctx("backward"))?)
+        } else {
+            Ok(backward(loss).ctx("backward"))
+        }
+    }
 }
 
 /// Apex's `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` for the common

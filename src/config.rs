@@ -2,6 +2,7 @@
 use tch::Kind;
 
 use crate::error::{AmpError, Result};
+use crate::o1::CastPolicy;
 use crate::opt_level::{parse_dtype, OptLevel};
 use crate::properties::{LossScale, Properties};
 
@@ -45,6 +46,7 @@ pub struct AmpConfig {
     low_precision_dtype: Option<Kind>,
     allow_banned: Option<bool>,
     emulate_low_precision_on_cpu: Option<bool>,
+    cast_policy: Option<CastPolicy>,
 }
 
 impl AmpConfig {
@@ -210,6 +212,13 @@ impl AmpConfig {
         self
     }
 
+    /// The O1 cast policy: [`CastPolicy::apex`] (default), [`CastPolicy::torch_native`], or one
+    /// with the user's casts (Apex's `register_half_function` and friends).
+    pub fn cast_policy(mut self, policy: CastPolicy) -> Self {
+        self.cast_policy = Some(policy);
+        self
+    }
+
     fn incompatible(level: OptLevel, option: &'static str, why: &'static str) -> AmpError {
         AmpError::IncompatibleOption { level, option, why }
     }
@@ -221,7 +230,7 @@ impl AmpConfig {
     /// fp32/`None` under O1, `patch_torch_functions` outside O1, `keep_batchnorm_fp32` or
     /// `master_weights` set under O1; [`AmpError::InvalidOption`] for a non-positive or
     /// non-finite loss scale, min above max, `num_losses == 0`, or a low-precision dtype
-    /// other than fp16/bf16.
+    /// other than fp16/bf16; `cast_policy` outside O1 is an [`AmpError::IncompatibleOption`].
     pub fn build(&self) -> Result<Properties> {
         let level = self.opt_level.unwrap_or(OptLevel::O1);
         let d = level.defaults()?;
@@ -255,6 +264,13 @@ impl AmpConfig {
                 level,
                 "master_weights",
                 "master weights make no sense under O1, whose model weights are fp32 already; leave it unset",
+            ));
+        }
+        if !o1 && self.cast_policy.is_some() {
+            return Err(Self::incompatible(
+                level,
+                "cast_policy",
+                "a per-op cast policy only acts under O1 (Apex's register_*_function too); choose O1",
             ));
         }
         let low = self.low_precision_dtype.unwrap_or(Kind::Half);
@@ -330,6 +346,7 @@ impl AmpConfig {
             low_precision_dtype: low,
             allow_banned: self.allow_banned.unwrap_or(false),
             emulate_low_precision_on_cpu: self.emulate_low_precision_on_cpu.unwrap_or(true),
+            cast_policy: self.cast_policy.clone().unwrap_or_else(CastPolicy::apex),
         })
     }
 }

@@ -99,6 +99,28 @@ pub enum AmpError {
         /// libtorch's message.
         message: String,
     },
+    /// An op on O1's banned list (binary_cross_entropy) was called with fp16/bf16 inputs.
+    #[error(
+        "{op} is banned under O1 on fp16/bf16 inputs (its log saturates where a low-precision sigmoid \
+         rounds to 0 or 1): pass the logits to binary_cross_entropy_with_logits (BCEWithLogitsLoss) \
+         instead, or set O1Settings::allow_banned to run {op} in fp32"
+    )]
+    BannedOp {
+        /// The aten op (`"binary_cross_entropy"`).
+        op: String,
+    },
+    /// An op on O1's fp32 list was called in place on an fp16/bf16 tensor (Apex's in-place rule).
+    #[error(
+        "{op} cannot run in place on a {dtype:?} tensor under O1: the op is on the fp32 list, so its \
+         result cannot be written back in low precision; call the out-of-place op, or cast the tensor \
+         to fp32 first"
+    )]
+    InPlaceFp32OnHalf {
+        /// The in-place aten op (`"exp_"`).
+        op: String,
+        /// The tensor's dtype.
+        dtype: Kind,
+    },
     /// Something the caller must do first (or must not do twice).
     #[error("{0}")]
     Usage(String),

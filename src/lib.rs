@@ -81,7 +81,6 @@ mod opt_level;
 mod optim;
 mod properties;
 mod scaler;
-// O1 cast policy
 pub mod o1;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
@@ -99,3 +98,9 @@ pub use opt_level::{LevelDefaults, OptLevel};
 pub use optim::OptimizerConfig;
 pub use properties::{LossScale, Properties};
 pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState, GROWTH_INTERVAL, INITIAL_DYNAMIC_SCALE};
+
+pub use o1::{
+    aten_overloads, cast_cache_len, classify_torch_error, clear_cast_cache, disable_casts, emulated_ops,
+    install_policy, libtorch_autocast_ops, policy_active, policy_installed, without_casts, ActivePolicyGuard, Cast,
+    CastLists, CastPolicy, DisableCastsGuard, O1Settings, PolicyHandle, UserCasts,
+};

@@ -5,6 +5,7 @@ use std::str::FromStr;
 use tch::Kind;
 
 use crate::error::AmpError;
+use crate::o1::CastPolicy;
 use crate::opt_level::OptLevel;
 
 /// How the loss is scaled before backward.
@@ -98,4 +99,6 @@ pub struct Properties {
     /// Emulate fp16/bf16 GEMMs and convolutions on CPU in fp32 of the rounded inputs
     /// (same numerics, far faster on CPUs without half-precision matrix units).
     pub emulate_low_precision_on_cpu: bool,
+    /// The O1 cast policy (Apex's lists unless another was given).
+    pub cast_policy: CastPolicy,
 }

@@ -234,3 +234,63 @@ fn inf_never_reaches_the_weights() {
         assert_eq!(opt.step_counts(), (0, 1));
     }
 }
+
+#[test]
+fn o1_initialize_activates_the_policy_for_the_amp_lifetime() {
+    let vs = VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root() / "a", 4, 4, Default::default());
+    let probe = nn::linear(vs.root() / "probe", 4, 4, Default::default());
+    let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+    {
+        let (model, mut opt, mut amp) = initialize(&vs, lin, nn::Sgd::default(), 0.1, &AmpConfig::new(OptLevel::O1)).unwrap();
+        assert!(amp.casts_active());
+        let y = model.forward(&x);
+        assert_eq!(y.kind(), Kind::Half, "linear is on Apex's fp16 list");
+        assert_eq!(y.softmax(-1, None).kind(), Kind::Float, "softmax is on Apex's fp32 list");
+        let loss = y.softmax(-1, None).sum(Kind::Float);
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        assert!(opt.step().unwrap().stepped());
+        // Weights, their grads and the update stay fp32 under O1.
+        assert_eq!(vs.variables()["a.weight"].kind(), Kind::Float);
+        assert_eq!(opt.master_params()[0].kind(), Kind::Float);
+    }
+    // Once the Amp is gone, plain libtorch again.
+    assert_eq!(probe.forward(&x).kind(), Kind::Float);
+    assert!(!tch_amp::policy_active().unwrap());
+}
+
+#[test]
+fn o1_user_casts_and_bf16() {
+    let vs = VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root(), 4, 4, Default::default());
+    let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+    let mut policy = tch_amp::CastPolicy::apex();
+    policy.register_float_function("linear").unwrap();
+    let amp = Amp::new(&AmpConfig::new(OptLevel::O1).cast_policy(policy.clone())).unwrap();
+    assert_eq!(lin.forward(&x).kind(), Kind::Float, "the user's float cast wins");
+    drop(amp);
+    let err = AmpConfig::new(OptLevel::O2).cast_policy(policy).build().unwrap_err();
+    assert!(matches!(err, AmpError::IncompatibleOption { option: "cast_policy", .. }), "{err}");
+    let amp = Amp::new(&AmpConfig::new(OptLevel::O1).low_precision_dtype(Kind::BFloat16)).unwrap();
+    assert_eq!(lin.forward(&x).kind(), Kind::BFloat16);
+    assert!(!amp.scaler(0).unwrap().is_dynamic(), "bf16 needs no loss scaling");
+}
+
+#[test]
+fn o2_on_cpu_emulates_half_gemms() {
+    let vs = VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root(), 16, 8, Default::default());
+    let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
+    let amp = Amp::new(&AmpConfig::new(OptLevel::O2)).unwrap();
+    assert!(amp.casts_active());
+    let model = amp.cast_model(&vs, lin).unwrap();
+    let y = model.forward(&x);
+    // Emulation: fp32 compute of the fp16-rounded inputs, rounded once to fp16.
+    let (w, b) = (&model.inner().ws, model.inner().bs.as_ref().unwrap());
+    let xh = x.to_kind(Kind::Half);
+    let expected = xh.to_kind(Kind::Float).matmul(&w.to_kind(Kind::Float).tr()) + b.to_kind(Kind::Float);
+    let expected = expected.to_kind(Kind::Half).to_kind(Kind::Float);
+    assert!(same(&y, &expected), "{y} vs {expected}");
+    let native = Amp::new(&AmpConfig::new(OptLevel::O2).emulate_low_precision_on_cpu(false)).unwrap();
+    assert!(!native.casts_active());
+}

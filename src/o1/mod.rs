@@ -1,8 +1,58 @@
-//! TEMPORARY STUB (core branch only): replaced by the real O1 engine on merge.
-#![allow(missing_docs)]
-pub fn without_casts<T>(f: impl FnOnce() -> T) -> crate::Result<T> {
-    Ok(f())
-}
-pub fn clear_cast_cache() -> crate::Result<()> {
-    Ok(())
-}
+//! O1: Apex's cast lists as a libtorch dispatcher policy.
+//!
+//! Apex's O1 monkey-patched Python functions (`torch.nn.functional.linear`, `torch.exp`,
+//! `Tensor.__add__`, ...) so that their inputs were cast before they ran. tch programs call
+//! libtorch directly, so tch-amp casts one level down, at libtorch's Autocast dispatch keys
+//! (AutocastCPU, AutocastCUDA): they sit above autograd and see every op a thread runs while
+//! autocast is on, whichever Rust code makes the call. tch-amp registers one generic (boxed)
+//! kernel per listed aten op there; the lists are data ([`CastPolicy`]), so any op can be
+//! listed without code.
+//!
+//! - [`install_policy`] registers the kernels (first install) and returns a [`PolicyHandle`];
+//!   the last handle's drop unregisters them and libtorch's own autocast kernels are back.
+//! - [`PolicyHandle::activate`] makes the policy the current thread's and turns autocast on for
+//!   one device type; other threads are untouched (plain autocast there behaves exactly as in
+//!   libtorch).
+//! - [`disable_casts`] / [`without_casts`] turn casts off for a region.
+//! - [`clear_cast_cache`] empties the weight-cast cache (module [`cache`] has the rules).
+//!
+//! # Differences from Apex, and why
+//! - Casts happen for aten operators, not Python functions; `opt_levels/o1_apex.toml` maps each
+//!   Apex name to the aten ops tch reaches (`F.cross_entropy` is `cross_entropy_loss`, `@` is
+//!   `matmul`, `Tensor.__rsub__` is `rsub`, ...). Composite ops that are in no list (einsum on
+//!   CPU, say) decompose below the Autocast key and their parts follow the policy, as under
+//!   libtorch's autocast; Apex left C++ composites alone but cast Python ones.
+//! - Ops libtorch's own autocast lists cast but Apex's do not (linalg_vecdot, cdist,
+//!   scaled_dot_product_attention, ...) run in their inputs' dtypes under the Apex policy, as
+//!   they did under Apex.
+//! - CPU tensors are cast too (Apex cast only CUDA tensors); fp64 tensors are never cast (Apex
+//!   cast them to fp16 on the fp16 list); promote picks the widest floating type among all
+//!   inputs, fp64 included (Apex raised on anything but fp16+fp32).
+//! - The in-place rule for fp32-list ops (an error on a low-precision self) covers every op of
+//!   the fp32 list; Apex applied it to `torch.*`/`Tensor.*` functions only.
+//! - The weight-cast cache recasts a weight changed in place, is correct after `no_grad`
+//!   evaluation and supports a weight used twice in one forward.
+//! - bf16 can be the low-precision type ([`O1Settings::low_dtype`]).
+//! - On CPU, fp16/bf16 GEMMs and convolutions are emulated in fp32 by default
+//!   ([`O1Settings::emulate_cpu`]).
+//! - Errors raised inside the dispatcher reach the caller as tch errors;
+//!   [`classify_torch_error`] turns them into [`crate::AmpError::BannedOp`] and
+//!   [`crate::AmpError::InPlaceFp32OnHalf`].
+pub mod cache;
+mod disable;
+mod emulation;
+mod engine;
+mod error;
+mod ffi;
+pub mod policy;
+mod settings;
+
+pub use cache::{cast_cache_len, clear_cast_cache};
+pub use disable::{disable_casts, without_casts, DisableCastsGuard};
+pub use emulation::emulated_ops;
+pub use engine::{
+    install_policy, libtorch_autocast_ops, policy_active, policy_installed, ActivePolicyGuard, PolicyHandle,
+};
+pub use error::classify_torch_error;
+pub use policy::{aten_overloads, Cast, CastLists, CastPolicy, UserCasts};
+pub use settings::O1Settings;
