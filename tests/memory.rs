@@ -2,7 +2,7 @@
 //! longer than needed). From first principles for a model of linear layers only: fp16 weight
 //! 2 B, fp32 master 4 B, fp32 master grad 4 B (the fp16 grad is released once copied), Adam
 //! state 8 B, SGD with momentum 4 B. Apex holds 20 B with Adam (it keeps the fp16 grads).
-use tch::nn::{self, Module, VarStore};
+use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::{initialize, AmpConfig, OptLevel, OptimizerConfig};
 
