@@ -1,0 +1,472 @@
+//! The examples' shared code (IDX loader, step log, plot, memory count) and the example
+//! binaries themselves, run with tiny settings on a small synthetic data set in the layout of
+//! Fashion-MNIST (four gzip IDX files written to a temp dir), so that they finish in seconds.
+//!
+//! The binaries are the ones `cargo test` builds (it builds every example before running the
+//! integration tests): `<target>/<profile>/examples/<name>`.
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::data::{load_images, load_labels, read_idx, write_idx, write_synthetic, Dataset};
+use common::log::{StepLog, StepRecord};
+use serde_json::Value;
+use tempfile::TempDir;
+
+// ---------------------------------------------------------------------------------------
+// IDX loader
+
+fn images_bytes(n: usize, h: usize, w: usize) -> Vec<u8> {
+    (0..n * h * w).map(|i| (i % 256) as u8).collect()
+}
+
+#[test]
+fn idx_gzip_and_plain_files_load() {
+    let dir = TempDir::new().unwrap();
+    for gzip in [true, false] {
+        let p = dir.path().join(if gzip { "imgs.gz" } else { "imgs" });
+        write_idx(&p, &[3, 4, 5], &images_bytes(3, 4, 5), gzip).unwrap();
+        let t = load_images(&p).unwrap();
+        assert_eq!(t.size(), [3, 1, 4, 5]);
+        assert_eq!(t.kind(), tch::Kind::Float);
+        // Pixel 7 of image 0 is byte 7 → 7/255.
+        let v = t.view([-1]).double_value(&[7]);
+        assert!((v - 7.0 / 255.0).abs() < 1e-6, "{v}");
+        let l = dir.path().join("labels");
+        write_idx(&l, &[3], &[2, 0, 9], gzip).unwrap();
+        let labels = load_labels(&l).unwrap();
+        assert_eq!(labels.kind(), tch::Kind::Int64);
+        assert_eq!(Vec::<i64>::try_from(&labels).unwrap(), vec![2, 0, 9]);
+    }
+}
+
+fn problem(r: Result<impl std::fmt::Debug, common::data::DataError>) -> String {
+    let e = r.expect_err("expected an error");
+    e.to_string()
+}
+
+#[test]
+fn idx_missing_file_names_it() {
+    let dir = TempDir::new().unwrap();
+    let p = dir.path().join("nope-idx3-ubyte.gz");
+    let m = problem(read_idx(&p, 3));
+    assert!(m.contains("nope-idx3-ubyte.gz") && m.contains("not found"), "{m}");
+}
+
+#[test]
+fn idx_bad_magic_says_what_was_expected() {
+    let dir = TempDir::new().unwrap();
+    let p = dir.path().join("labels-as-images.gz");
+    // A label file (IDX1, magic 0x801) where images (IDX3, 0x803) are expected.
+    write_idx(&p, &[4], &[1, 2, 3, 4], true).unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("labels-as-images.gz"), "{m}");
+    assert!(m.contains("bad magic number 0x00000801") && m.contains("0x00000803"), "{m}");
+    // Not IDX at all.
+    std::fs::write(&p, b"hello world, not an IDX file").unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("bad magic number"), "{m}");
+}
+
+#[test]
+fn idx_truncated_files_are_errors() {
+    let dir = TempDir::new().unwrap();
+    let p = dir.path().join("short");
+    write_idx(&p, &[10, 4, 4], &images_bytes(9, 4, 4), false).unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("truncated") && m.contains("160") && m.contains("144"), "{m}");
+    // Cut inside the header.
+    std::fs::write(&p, [0u8, 0, 8, 3, 0, 0]).unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("truncated header"), "{m}");
+    std::fs::write(&p, [0u8, 0]).unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("truncated"), "{m}");
+    // Extra bytes after the data.
+    write_idx(&p, &[2, 4, 4], &images_bytes(3, 4, 4), false).unwrap();
+    let m = problem(load_images(&p));
+    assert!(m.contains("16 unexpected bytes"), "{m}");
+    // A gzip stream cut short.
+    let gz = dir.path().join("cut.gz");
+    write_idx(&gz, &[50, 28, 28], &images_bytes(50, 28, 28), true).unwrap();
+    let bytes = std::fs::read(&gz).unwrap();
+    std::fs::write(&gz, &bytes[..bytes.len() / 2]).unwrap();
+    let m = problem(load_images(&gz));
+    assert!(m.contains("cut.gz") && m.contains("gzip"), "{m}");
+}
+
+#[test]
+fn dataset_checks_counts_and_names_the_file() {
+    let dir = TempDir::new().unwrap();
+    write_synthetic(dir.path(), 64, 32, 10, 28, 1).unwrap();
+    let d = Dataset::load(dir.path()).unwrap();
+    assert_eq!(d.train.images.size(), [64, 1, 28, 28]);
+    assert_eq!(d.test.len(), 32);
+    assert_eq!(d.num_classes, 10);
+    // Wrong number of training labels.
+    write_idx(&dir.path().join("train-labels-idx1-ubyte.gz"), &[63], &[0; 63], true).unwrap();
+    let m = problem(Dataset::load(dir.path()));
+    assert!(m.contains("train-labels-idx1-ubyte.gz") && m.contains("63 labels") && m.contains("64 images"), "{m}");
+}
+
+#[test]
+fn dataset_missing_says_how_to_get_it() {
+    let dir = TempDir::new().unwrap();
+    let m = problem(Dataset::load(&dir.path().join("empty")));
+    assert!(m.contains("train-images-idx3-ubyte.gz"), "{m}");
+    assert!(m.contains("make data") && m.contains("--data"), "{m}");
+}
+
+#[test]
+fn subsets_are_seeded_and_standardized() {
+    let dir = TempDir::new().unwrap();
+    write_synthetic(dir.path(), 100, 20, 10, 28, 2).unwrap();
+    let d = Dataset::load(dir.path()).unwrap().standardize();
+    let mean = d.train.images.mean(tch::Kind::Float).double_value(&[]);
+    assert!(mean.abs() < 1e-4, "{mean}");
+    let a = d.train.subset(30, 7);
+    let b = d.train.subset(30, 7);
+    assert_eq!(a.len(), 30);
+    assert!(a.labels.equal(&b.labels) && a.images.equal(&b.images));
+    assert_eq!(d.train.subset(0, 7).len(), 100);
+}
+
+// ---------------------------------------------------------------------------------------
+// Step log, plot, memory count
+
+#[test]
+fn step_log_writes_json_lines() {
+    let dir = TempDir::new().unwrap();
+    let p = dir.path().join("sub/log.jsonl");
+    {
+        let mut log = StepLog::create(Some(&p)).unwrap();
+        log.write(&StepRecord::new(0, 2.5, 65536.0, false).with("level", "O2")).unwrap();
+        log.write(&StepRecord::new(1, f64::INFINITY, 32768.0, true)).unwrap();
+    }
+    let lines = read_log(&p);
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["level"], "O2");
+    assert_eq!(lines[0]["loss_scale"], 65536.0);
+    assert_eq!(lines[1]["skipped"], true);
+    assert!(lines[1]["loss"].is_null(), "inf is written as null");
+    // No file asked for: nothing written, no error.
+    StepLog::create(None).unwrap().write(&StepRecord::new(0, 1.0, 1.0, false)).unwrap();
+}
+
+#[test]
+fn plot_writes_a_png_with_and_without_text() {
+    let dir = TempDir::new().unwrap();
+    let series = vec![
+        common::plot::Series { name: "O0".into(), losses: vec![2.3, 1.5, 1.0, f64::NAN], scales: vec![1.0; 4], color: 0 },
+        common::plot::Series {
+            name: "O2".into(),
+            losses: vec![2.3, 1.6, 1.1, 0.9],
+            scales: vec![65536.0, 32768.0, 32768.0, 32768.0],
+            color: 2,
+        },
+    ];
+    let bare = dir.path().join("bare.png");
+    assert!(!common::plot::plot(&bare, "t", &series, false).unwrap());
+    let auto = dir.path().join("auto.png");
+    let text = common::plot::plot_auto(&auto, "t", &series).unwrap();
+    for p in [&bare, &auto] {
+        let b = std::fs::read(p).unwrap();
+        assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{}", p.display());
+    }
+    // Debian's fonts-dejavu-core (scripts/setup-data.sh) gives the plot its text.
+    if Path::new(common::plot::DEFAULT_FONT).exists() && std::env::var_os("TCH_AMP_FONT").is_none() {
+        assert!(text, "the font is installed but the plot was drawn without text");
+    }
+    let grid = dir.path().join("grid.png");
+    common::plot::save_grid(&grid, &tch::Tensor::rand([5, 1, 6, 6], (tch::Kind::Float, tch::Device::Cpu)), 3).unwrap();
+    assert!(std::fs::metadata(&grid).unwrap().len() > 0);
+}
+
+#[test]
+fn memory_count_sees_masters_under_o2() {
+    use tch::nn::{self, ModuleT};
+    use tch_amp::{initialize, AmpConfig, OptLevel};
+    let mut totals = Vec::new();
+    for level in [OptLevel::O0, OptLevel::O2, OptLevel::O3] {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = common::model::ResNetConfig { in_channels: 1, num_classes: 10, width: 4, stages: 1, pool: 1 };
+        let net = common::model::SmallResNet::new(&vs.root(), cfg);
+        let (model, mut opt, mut amp) =
+            initialize(&vs, net, nn::Sgd { momentum: 0.9, ..Default::default() }, 0.1, &AmpConfig::new(level).verbosity(0))
+                .unwrap();
+        let x = tch::Tensor::randn([4, 1, 28, 28], (tch::Kind::Float, tch::Device::Cpu));
+        let y = tch::Tensor::from_slice(&[0i64, 1, 2, 3]);
+        let loss = model.forward_t(&x, true).cross_entropy_for_logits(&y);
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        let m = common::memory::measure(&vs, &opt, 1);
+        assert!(m.weights > 0 && m.grads > 0 && m.optimizer_state > 0, "{level}: {m:?}");
+        totals.push((level, m));
+    }
+    let (o0, o2, o3) = (totals[0].1, totals[1].1, totals[2].1);
+    assert_eq!(o0.masters, 0);
+    assert!(o2.masters > 0 && o2.weights < o0.weights, "{o2:?} vs {o0:?}");
+    assert_eq!(o3.masters, 0);
+    assert!(o3.total() < o0.total() && o0.total() < o2.total());
+    // O2's gradients live in the fp32 masters (and fp32 batch norm): as large as O0's.
+    assert_eq!(o2.grads, o0.grads);
+}
+
+// ---------------------------------------------------------------------------------------
+// The example binaries
+
+fn example_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // <target>/<profile>/deps/examples-<hash> → <target>/<profile>/examples/<name>
+    let profile_dir = exe.parent().and_then(Path::parent).expect("test binary is in <target>/<profile>/deps");
+    let bin = profile_dir.join("examples").join(name);
+    assert!(
+        bin.exists(),
+        "example binary {} is missing: run `cargo test` (which builds the examples before the tests) \
+         or `cargo build --examples` first",
+        bin.display()
+    );
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified()).expect("mtime of the example binary");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = [
+        root.join("examples").join(format!("{name}.rs")),
+        root.join("examples/common"),
+        root.join("src"),
+        root.join("Cargo.toml"),
+    ];
+    if let Some(newer) = newest_source(&sources, built) {
+        panic!(
+            "example binary {} is older than {}: run `cargo test` (which rebuilds the examples) or \
+             `cargo build --examples` first",
+            bin.display(),
+            newer.display()
+        );
+    }
+    bin
+}
+
+/// A file under `paths` modified after `than`, if any.
+fn newest_source(paths: &[PathBuf], than: std::time::SystemTime) -> Option<PathBuf> {
+    for p in paths {
+        let Ok(meta) = std::fs::metadata(p) else { continue };
+        if meta.is_dir() {
+            let entries: Vec<PathBuf> = std::fs::read_dir(p).ok()?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+            if let Some(f) = newest_source(&entries, than) {
+                return Some(f);
+            }
+        } else if meta.modified().is_ok_and(|m| m > than) {
+            return Some(p.clone());
+        }
+    }
+    None
+}
+
+/// Runs an example with one libtorch thread (tests run side by side on 2 cores).
+fn run(name: &str, args: &[&str]) -> Output {
+    let out = Command::new(example_bin(name))
+        .args(args)
+        .env("CI", "true")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run example {name}: {e}"));
+    out
+}
+
+fn run_ok(name: &str, args: &[&str]) -> String {
+    let out = run(name, args);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "example {name} {args:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn read_log(p: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| serde_json::from_str(l).unwrap_or_else(|e| panic!("{} line {}: {e}: {l}", p.display(), i + 1)))
+        .collect()
+}
+
+/// Every line has the four common fields, steps count 0, 1, 2, ... from `first`, losses
+/// are finite.
+fn check_log(lines: &[Value], first: u64, expected: usize) {
+    assert_eq!(lines.len(), expected, "number of logged steps");
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"].as_u64(), Some(first + i as u64), "{l}");
+        let loss = l["loss"].as_f64().unwrap_or_else(|| panic!("loss is not a finite number: {l}"));
+        assert!(loss.is_finite() && loss >= 0.0, "{l}");
+        assert!(l["loss_scale"].as_f64().is_some_and(|s| s > 0.0), "{l}");
+        assert!(l["skipped"].is_boolean(), "{l}");
+    }
+}
+
+fn synthetic_data() -> TempDir {
+    let dir = TempDir::new().unwrap();
+    write_synthetic(dir.path(), 256, 64, 10, 28, 3).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn fashion_mnist_compares_the_levels_asked_for() {
+    let data = synthetic_data();
+    let out = TempDir::new().unwrap();
+    let log = out.path().join("log.jsonl");
+    let stdout = run_ok(
+        "fashion_mnist",
+        &[
+            "--data", s(data.path()), "--levels", "O0,O2", "--train-size", "256", "--epochs", "1",
+            "--batch-size", "64", "--width", "4", "--out", s(out.path()), "--log", s(&log),
+        ],
+    );
+    let lines = read_log(&log);
+    check_log(&lines, 0, 8);
+    let levels: Vec<&str> = lines.iter().map(|l| l["level"].as_str().unwrap()).collect();
+    assert_eq!(levels, ["O0", "O0", "O0", "O0", "O2", "O2", "O2", "O2"]);
+    // The table has one row per level, O0 first with ratio 1.00x.
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows[0].contains("1.00x"), "{stdout}");
+    let record: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
+    let results = record["results"].as_array().unwrap();
+    let names: Vec<&str> = results.iter().map(|r| r["level"].as_str().unwrap()).collect();
+    assert_eq!(names, ["O0", "O2"]);
+    for r in results {
+        assert_eq!(r["steps"], 4);
+        assert!(r["test"]["top1"].as_f64().is_some_and(|a| (0.0..=100.0).contains(&a)), "{r}");
+        assert!(r["memory_total"].as_u64().unwrap() > 0);
+        assert_eq!(r["losses"].as_array().unwrap().len(), 4);
+    }
+    assert!(results[1]["memory"]["masters"].as_u64().unwrap() > 0, "O2 keeps fp32 masters");
+    assert_eq!(results[0]["final_loss_scale"], 1.0, "O0: static scale 1");
+    assert!(results[1]["final_loss_scale"].as_f64().is_some_and(|x| x > 1.0), "O2: dynamic scale");
+    let png = std::fs::read(out.path().join("curves.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+}
+
+#[test]
+fn fashion_mnist_reports_bad_data_and_bad_levels() {
+    let empty = TempDir::new().unwrap();
+    let out = run("fashion_mnist", &["--data", s(empty.path()), "--levels", "O0", "--no-plot"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("train-images-idx3-ubyte.gz") && err.contains("make data"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let out = run("fashion_mnist", &["--levels", "0O"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the letter O"), "{err}");
+}
+
+#[test]
+fn imagenet_resume_continues_exactly() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let go = |extra: &[&str], ck: &Path| -> String {
+        let mut args = vec![
+            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "192", "--test-size", "64", "-b", "64",
+            "--width", "4", "--stages", "2", "--checkpoint-dir", s(ck),
+        ];
+        args.extend_from_slice(extra);
+        run_ok("imagenet", &args)
+    };
+    // Two epochs straight.
+    let straight = dir.path().join("straight.jsonl");
+    go(&["--epochs", "2", "--log", s(&straight)], &dir.path().join("a"));
+    // One epoch, then --resume for the second.
+    let first = dir.path().join("first.jsonl");
+    let second = dir.path().join("second.jsonl");
+    let out = go(&["--epochs", "1", "--log", s(&first)], &dir.path().join("b"));
+    assert!(out.contains("Prec@1") && out.contains("saved checkpoint"), "{out}");
+    let ck = dir.path().join("b/checkpoint.safetensors");
+    assert!(ck.exists() && dir.path().join("b/checkpoint.json").exists());
+    let out = go(&["--epochs", "2", "--resume", s(&ck), "--log", s(&second)], &dir.path().join("b"));
+    assert!(out.contains("loaded checkpoint"), "{out}");
+    let (straight, first, second) = (read_log(&straight), read_log(&first), read_log(&second));
+    check_log(&straight, 0, 6);
+    check_log(&first, 0, 3);
+    check_log(&second, 3, 3);
+    // The resumed epoch is the straight run's second epoch: same losses and loss scales.
+    for (a, b) in straight[3..].iter().zip(&second) {
+        assert_eq!(a["loss"], b["loss"], "resumed run diverged:\n{a}\n{b}");
+        assert_eq!(a["loss_scale"], b["loss_scale"]);
+    }
+    // --evaluate with the checkpoint only validates.
+    let out = go(&["-e", "--resume", s(&ck)], &dir.path().join("b"));
+    assert!(out.contains("* Prec@1") && !out.contains("Epoch:"), "{out}");
+}
+
+#[test]
+fn dcgan_three_losses_two_optimizers() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let log = dir.path().join("log.jsonl");
+    run_ok(
+        "dcgan",
+        &[
+            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "128", "-b", "32", "--nz", "8", "--ngf", "4",
+            "--ndf", "4", "--niter", "1", "--outf", s(dir.path()), "--log", s(&log),
+        ],
+    );
+    let lines = read_log(&log);
+    check_log(&lines, 0, 4);
+    for l in &lines {
+        let scales = l["loss_scales"].as_array().unwrap();
+        assert_eq!(scales.len(), 3, "{l}");
+        for k in ["err_d_real", "err_d_fake", "err_g"] {
+            assert!(l[k].as_f64().is_some_and(f64::is_finite), "{l}");
+        }
+    }
+    for f in ["real_samples.png", "fake_samples_epoch_000.png", "dcgan.safetensors"] {
+        assert!(dir.path().join(f).exists(), "{f} missing");
+    }
+}
+
+#[test]
+fn grad_accumulation_steps_once_per_accumulated_batch() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let log = dir.path().join("log.jsonl");
+    let out = run_ok(
+        "grad_accumulation",
+        &[
+            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "256", "--test-size", "64", "-b", "16",
+            "--accum-steps", "4", "--width", "4", "--log", s(&log),
+        ],
+    );
+    let lines = read_log(&log);
+    check_log(&lines, 0, 4);
+    assert!(lines.iter().all(|l| l["micro_batches"] == 4), "{lines:?}");
+    assert!(out.contains("test accuracy"), "{out}");
+}
+
+#[test]
+fn clip_masters_logs_the_gradient_norm() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let log = dir.path().join("log.jsonl");
+    run_ok(
+        "clip_masters",
+        &[
+            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "256", "--test-size", "64", "-b", "64",
+            "--width", "4", "--max-grad-norm", "0.5", "--log", s(&log),
+        ],
+    );
+    let lines = read_log(&log);
+    check_log(&lines, 0, 4);
+    for l in &lines {
+        let norm = l["grad_norm"].as_f64().unwrap_or(f64::INFINITY);
+        assert!(norm >= 0.0, "{l}");
+        assert_eq!(l["clipped"].as_bool(), Some(norm.is_finite() && norm > 0.5), "{l}");
+    }
+}
