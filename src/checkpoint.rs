@@ -241,7 +241,7 @@ pub fn load_checkpoint(
                 if let Ok(v) = st.tensor(&format!("{prefix}{buf}")) {
                     let t = view_to_tensor(buf, &v)?;
                     let p = e.stepped();
-                    if t.size() != p.size() || t.kind() != p.kind() {
+                    if t.size() != p.size() || t.kind() != crate::optim::state_kind(p.kind()) {
                         return Err(mismatch(format!("{prefix}{buf}: shape/kind differ from the parameter")));
                     }
                     buffers.insert(*buf, t.f_to_device(p.device()).ctx("checkpoint")?);

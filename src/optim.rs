@@ -4,7 +4,9 @@
 //! that loses it cannot resume bit-exactly.
 use std::collections::BTreeMap;
 
-use tch::{nn, Tensor};
+use tch::{nn, Kind, Tensor};
+
+use crate::dtype::is_low_precision;
 
 use crate::error::{AmpError, Result, TorchContext};
 
@@ -63,6 +65,15 @@ impl OptimizerConfig {
     }
 }
 
+/// The dtype of a parameter's optimizer state: fp32 for fp16/bf16 parameters, else its own.
+pub(crate) fn state_kind(param_kind: Kind) -> Kind {
+    if is_low_precision(param_kind) {
+        Kind::Float
+    } else {
+        param_kind
+    }
+}
+
 /// Per-parameter state: the step count and the named buffers.
 #[derive(Debug, Default)]
 pub(crate) struct ParamState {
@@ -104,13 +115,22 @@ impl Optimizer {
     /// One update of every parameter that has a gradient (PyTorch skips the others too).
     pub(crate) fn step(&mut self) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        for ((p, st), group) in self.params.iter().zip(self.state.iter_mut()).zip(&self.groups) {
+        for ((param, st), group) in self.params.iter().zip(self.state.iter_mut()).zip(&self.groups) {
             let lr = self.group_lr.get(group).copied().unwrap_or(self.lr);
+            let p = param;
             let grad = p.grad();
             if !grad.defined() {
                 continue;
             }
-            let mut p = p.shallow_clone();
+            // fp16/bf16 parameters (O3, or no master weights) are updated in fp32 with fp32
+            // state, then rounded once: in fp16, Adam's eps (1e-8) rounds to 0 and tiny squared
+            // gradients underflow, so PyTorch's Adam on fp16 parameters divides by zero.
+            let low = is_low_precision(p.kind());
+            let (mut p, grad) = if low {
+                (p.f_to_kind(Kind::Float).ctx("fp32 update")?, grad.f_to_kind(Kind::Float).ctx("fp32 update")?)
+            } else {
+                (p.shallow_clone(), grad)
+            };
             st.step += 1;
             match self.config {
                 OptimizerConfig::Sgd(c) => sgd(&mut p, &grad, st, lr, c)?,
@@ -125,6 +145,10 @@ impl Optimizer {
                     adam(&mut p, &grad, st, lr, c.beta1, c.beta2, c.eps, c.amsgrad)?
                 }
                 OptimizerConfig::RmsProp(c) => rmsprop(&mut p, &grad, st, lr, c)?,
+            }
+            if low {
+                let mut target = param.shallow_clone();
+                target.f_copy_(&p).ctx("rounding an fp32 update")?;
             }
         }
         Ok(())

@@ -107,6 +107,7 @@ fn disabled_amp_passes_everything_through() {
 fn o2_model_equals_masters_after_every_step_and_state_is_fp32() {
     let vs = VarStore::new(Device::Cpu);
     let net = Mlp::new(&vs.root());
+    deterministic_init(&vs);
     let (model, mut opt, mut amp) = initialize(&vs, net, nn::Adam::default(), 1e-2, &AmpConfig::new(OptLevel::O2)).unwrap();
     let vars = vs.variables();
     assert_eq!(vars["fc1.weight"].kind(), Kind::Half);
@@ -144,9 +145,9 @@ fn o2_model_equals_masters_after_every_step_and_state_is_fp32() {
 #[test]
 fn delay_unscale_accumulates_like_one_big_backward() {
     let run = |micro: bool| -> Vec<Tensor> {
-        tch::manual_seed(11);
         let vs = VarStore::new(Device::Cpu);
         let net = Mlp::new(&vs.root());
+        deterministic_init(&vs);
         let (model, mut opt, mut amp) = initialize(&vs, net, nn::Sgd::default(), 0.1, &AmpConfig::new(OptLevel::O2)).unwrap();
         let (x, y) = batch(2, 16);
         opt.zero_grad().unwrap();
@@ -182,6 +183,7 @@ fn delay_unscale_accumulates_like_one_big_backward() {
 fn misuse_is_a_typed_error() {
     let vs = VarStore::new(Device::Cpu);
     let net = Mlp::new(&vs.root());
+    deterministic_init(&vs);
     let (model, mut opt, mut amp) = initialize(&vs, net, nn::Sgd::default(), 0.1, &AmpConfig::new(OptLevel::O2)).unwrap();
     let (x, y) = batch(0, 4);
     let loss = model.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
@@ -293,4 +295,29 @@ fn o2_on_cpu_emulates_half_gemms() {
     assert!(same(&y, &expected), "{y} vs {expected}");
     let native = Amp::new(&AmpConfig::new(OptLevel::O2).emulate_low_precision_on_cpu(false)).unwrap();
     assert!(!native.casts_active());
+}
+
+/// Under O3 the fp16 weights are updated in fp32 with fp32 optimizer state: PyTorch's Adam on
+/// fp16 parameters rounds eps (1e-8) to 0 and divides by an underflowed second moment, giving
+/// NaN weights after one step on small gradients (this repro did, before the fix).
+#[test]
+fn o3_adam_on_tiny_gradients_stays_finite() {
+    tch::manual_seed(0);
+    let vs = VarStore::new(Device::Cpu);
+    let fc = nn::linear(vs.root() / "fc", 64, 10, Default::default());
+    let (model, mut opt, mut amp) = initialize(&vs, fc, nn::Adam::default(), 1e-3, &AmpConfig::new(OptLevel::O3)).unwrap();
+    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu)) * 1e-3;
+    let y = Tensor::randint(10, [32], (Kind::Int64, Device::Cpu));
+    for _ in 0..5 {
+        opt.zero_grad().unwrap();
+        let loss = model.forward(&x).cross_entropy_for_logits(&y);
+        assert!(loss.double_value(&[]).is_finite());
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        assert!(opt.step().unwrap().stepped());
+        let w = &vs.variables()["fc.weight"];
+        assert_eq!(w.kind(), Kind::Half);
+        assert_eq!(w.isnan().sum(Kind::Int64).int64_value(&[]), 0, "NaN in the fp16 weights");
+    }
+    // The state is fp32: 2 (weight) + 2 (fp16 grad, kept until zero_grad) + 8 (Adam).
+    assert_eq!(opt.memory().bytes_per_param(), 12.0);
 }

@@ -37,10 +37,25 @@ impl ModuleT for Mlp {
     }
 }
 
-/// A deterministic batch: inputs [n, 8] and targets [n, 4].
+/// A deterministic batch: inputs [n, 8] and targets [n, 4]. Computed from `seed` without the
+/// global RNG, which tests running in parallel threads share.
 pub fn batch(seed: i64, n: i64) -> (Tensor, Tensor) {
-    tch::manual_seed(seed);
-    let x = Tensor::randn([n, 8], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([n, 4], (Kind::Float, Device::Cpu));
-    (x, y)
+    let t = |len: i64, k: f64| (Tensor::arange(len, (Kind::Float, Device::Cpu)) * k + seed as f64).sin();
+    (t(n * 8, 0.731).reshape([n, 8]), t(n * 4, 1.37).reshape([n, 4]))
+}
+
+/// Overwrites every floating trainable variable of `vs` with deterministic values (no RNG),
+/// so two stores built in parallel-running tests start identical.
+pub fn deterministic_init(vs: &nn::VarStore) {
+    let _g = tch::no_grad_guard();
+    let mut names: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    names.sort_by(|a, b| a.0.cmp(&b.0));
+    for (i, (_, v)) in names.iter().enumerate() {
+        if v.requires_grad() && v.is_floating_point() {
+            let vals = ((Tensor::arange(v.numel() as i64, (Kind::Float, Device::Cpu)) * 0.37 + i as f64).sin() * 0.3)
+                .reshape(v.size())
+                .to_kind(v.kind());
+            v.shallow_clone().copy_(&vals);
+        }
+    }
 }
