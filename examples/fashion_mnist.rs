@@ -145,8 +145,9 @@ fn train_level(args: &Args, data: &Dataset, level: OptLevel, log: &mut StepLog, 
             let loss = model.forward_t(&x, true).cross_entropy_for_logits(&y);
             opt.zero_grad()?;
             let out = amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward())?;
-            if step == 0 {
-                memory = measure(&vs, &opt, 1);
+            if memory.optimizer_state == 0 {
+                // Optimizer state appears at the first step taken: measure until it is there.
+                memory = measure(&vs, &opt);
             }
             let skipped = matches!(opt.step()?, StepOutcome::Skipped { .. });
             if skipped {

@@ -28,7 +28,7 @@ else
   mkdir -p "$cache"
   exec 9>"$cache/.lock"
   flock 9   # two clones setting up at once share one install
-  installed=$(ls -d "$venv"/lib/python3*/site-packages/torch 2>/dev/null | head -n 1)
+  installed=$(ls -d "$venv"/lib/python3*/site-packages/torch 2>/dev/null | head -n 1 || true)
   if [ -z "$installed" ] || [ "$(version_of "$installed")" != "$TORCH_VERSION" ] \
      || [ ! -f "$installed/lib/libtorch_cpu.so" ]; then
     command -v python3 >/dev/null || die "python3 is needed to install torch==$TORCH_VERSION from PyPI"

@@ -1,8 +1,6 @@
 //! Bytes held by training state: model variables, gradients, fp32 master weights and the
 //! optimizer's buffers. Activations are not counted (they depend on the batch size and on
 //! libtorch's allocator, not on the opt level's bookkeeping).
-use std::collections::HashSet;
-
 use tch::nn::VarStore;
 use tch::Tensor;
 use tch_amp::AmpOptimizer;
@@ -25,8 +23,7 @@ pub struct MemoryBytes {
     pub grads: u64,
     /// fp32 master copies that are not the model's own variables.
     pub masters: u64,
-    /// Optimizer buffers: `buffers_per_param` tensors shaped and typed like each stepped
-    /// parameter (Adam's two moments, SGD's momentum).
+    /// Optimizer buffers (Adam's two moments, SGD's momentum), fp32 for fp16 parameters.
     pub optimizer_state: u64,
 }
 
@@ -37,23 +34,18 @@ impl MemoryBytes {
     }
 }
 
-/// Counts the bytes of `vs` and `opt`. Call it after `scale_loss` and before `step` so that
-/// the gradients are there.
-pub fn measure(vs: &VarStore, opt: &AmpOptimizer, buffers_per_param: u64) -> MemoryBytes {
-    let vars = vs.variables();
-    let weights = vars.values().map(bytes).sum();
-    let model_ptrs: HashSet<usize> = vars.values().map(|v| v.data_ptr() as usize).collect();
-    let mut grads: u64 = vars.values().filter(|v| v.requires_grad()).map(|v| bytes(&v.grad())).sum();
-    let mut masters = 0;
-    let mut state = 0;
-    for m in opt.master_params() {
-        state += buffers_per_param * bytes(&m);
-        if !model_ptrs.contains(&(m.data_ptr() as usize)) {
-            masters += bytes(&m);
-            grads += bytes(&m.grad());
-        }
+/// Counts the bytes of `vs` and `opt` with the library's [`AmpOptimizer::memory`], plus the
+/// VarStore's non-trainable variables (batch-norm statistics). Call it after `scale_loss` and
+/// before `step` so that the gradients are there (optimizer state exists after the first step).
+pub fn measure(vs: &VarStore, opt: &AmpOptimizer) -> MemoryBytes {
+    let r = opt.memory();
+    let buffers: u64 = vs.variables().values().filter(|v| !v.requires_grad()).map(bytes).sum();
+    MemoryBytes {
+        weights: r.weights as u64 + buffers,
+        grads: r.grads as u64,
+        masters: r.masters as u64,
+        optimizer_state: r.optimizer_state as u64,
     }
-    MemoryBytes { weights, grads, masters, optimizer_state: state }
 }
 
 /// `12345678` → `"11.8 MiB"`.
