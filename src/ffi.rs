@@ -46,3 +46,23 @@ extern "C" {
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
 }
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tch_amp_fused_adam_(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        max_exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: c_int,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        amsgrad: c_int,
+        adamw: c_int,
+    ) -> *mut c_char;
+}

@@ -6,7 +6,12 @@ use std::collections::BTreeMap;
 
 use tch::{nn, Kind, Tensor};
 
+use std::ffi::c_int;
+
+use torch_sys::C_tensor;
+
 use crate::dtype::is_low_precision;
+use crate::ffi;
 
 use crate::error::{AmpError, Result, TorchContext};
 
@@ -115,43 +120,95 @@ impl Optimizer {
     /// One update of every parameter that has a gradient (PyTorch skips the others too).
     pub(crate) fn step(&mut self) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
+        // Adam/AdamW parameters go through libtorch's fused multi-tensor kernel, one call per
+        // learning rate; fp16/bf16 parameters are written back after their fp32 update.
+        let mut fused: BTreeMap<u64, FusedBatch> = BTreeMap::new();
+        let mut write_back: Vec<(Tensor, Tensor)> = Vec::new();
         for ((param, st), group) in self.params.iter().zip(self.state.iter_mut()).zip(&self.groups) {
             let lr = self.group_lr.get(group).copied().unwrap_or(self.lr);
-            let p = param;
-            let grad = p.grad();
+            let grad = param.grad();
             if !grad.defined() {
                 continue;
             }
             // fp16/bf16 parameters (O3, or no master weights) are updated in fp32 with fp32
             // state, then rounded once: in fp16, Adam's eps (1e-8) rounds to 0 and tiny squared
             // gradients underflow, so PyTorch's Adam on fp16 parameters divides by zero.
-            let low = is_low_precision(p.kind());
+            let low = is_low_precision(param.kind());
             let (mut p, grad) = if low {
-                (p.f_to_kind(Kind::Float).ctx("fp32 update")?, grad.f_to_kind(Kind::Float).ctx("fp32 update")?)
+                (param.f_to_kind(Kind::Float).ctx("fp32 update")?, grad.f_to_kind(Kind::Float).ctx("fp32 update")?)
             } else {
-                (p.shallow_clone(), grad)
+                (param.shallow_clone(), grad)
             };
             st.step += 1;
             match self.config {
                 OptimizerConfig::Sgd(c) => sgd(&mut p, &grad, st, lr, c)?,
-                OptimizerConfig::Adam(c) => {
-                    let grad = if c.wd != 0.0 { (&grad + &p * c.wd).shallow_clone() } else { grad };
-                    adam(&mut p, &grad, st, lr, c.beta1, c.beta2, c.eps, c.amsgrad)?
-                }
-                OptimizerConfig::AdamW(c) => {
-                    if c.wd != 0.0 {
-                        let _ = p.f_mul_scalar_(1.0 - lr * c.wd).ctx("AdamW weight decay")?;
-                    }
-                    adam(&mut p, &grad, st, lr, c.beta1, c.beta2, c.eps, c.amsgrad)?
-                }
                 OptimizerConfig::RmsProp(c) => rmsprop(&mut p, &grad, st, lr, c)?,
+                OptimizerConfig::Adam(nn::Adam { amsgrad, .. }) | OptimizerConfig::AdamW(nn::AdamW { amsgrad, .. }) => {
+                    let batch = fused.entry(lr.to_bits()).or_default();
+                    batch.exp_avgs.push(st.buffer("exp_avg", &p)?);
+                    batch.exp_avg_sqs.push(st.buffer("exp_avg_sq", &p)?);
+                    if amsgrad {
+                        batch.max_exp_avg_sqs.push(st.buffer("max_exp_avg_sq", &p)?);
+                    }
+                    batch.steps.push(Tensor::f_scalar_tensor(st.step as f64, (Kind::Float, p.device())).ctx("Adam step")?);
+                    batch.params.push(p.shallow_clone());
+                    batch.grads.push(grad);
+                }
             }
             if low {
-                let mut target = param.shallow_clone();
-                target.f_copy_(&p).ctx("rounding an fp32 update")?;
+                write_back.push((param.shallow_clone(), p));
             }
         }
+        for (lr_bits, batch) in fused {
+            batch.run(self.config, f64::from_bits(lr_bits))?;
+        }
+        for (mut target, p) in write_back {
+            target.f_copy_(&p).ctx("rounding an fp32 update")?;
+        }
         Ok(())
+    }
+}
+
+/// Parameters of one fused Adam/AdamW call.
+#[derive(Default)]
+struct FusedBatch {
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    exp_avgs: Vec<Tensor>,
+    exp_avg_sqs: Vec<Tensor>,
+    max_exp_avg_sqs: Vec<Tensor>,
+    steps: Vec<Tensor>,
+}
+
+impl FusedBatch {
+    fn run(&self, config: OptimizerConfig, lr: f64) -> Result<()> {
+        let (beta1, beta2, wd, eps, amsgrad, adamw) = match config {
+            OptimizerConfig::Adam(c) => (c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false),
+            OptimizerConfig::AdamW(c) => (c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true),
+            _ => return Ok(()),
+        };
+        let ptrs = |v: &[Tensor]| v.iter().map(|t| t.as_ptr() as *mut C_tensor).collect::<Vec<_>>();
+        let (p, g, m, v, mx, s) = (
+            ptrs(&self.params),
+            ptrs(&self.grads),
+            ptrs(&self.exp_avgs),
+            ptrs(&self.exp_avg_sqs),
+            ptrs(&self.max_exp_avg_sqs),
+            ptrs(&self.steps),
+        );
+        let n = c_int::try_from(p.len()).map_err(|_| AmpError::Usage("too many parameters for one fused step".into()))?;
+        let mx_ptr = if amsgrad { mx.as_ptr() } else { std::ptr::null() };
+        // SAFETY: every pointer is a live at::Tensor handle held by `self` for the call; the
+        // lists have n entries each (max_exp_avg_sqs only with amsgrad, else NULL).
+        ffi::check(
+            unsafe {
+                ffi::tch_amp_fused_adam_(
+                    p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), mx_ptr, s.as_ptr(), n, lr, beta1, beta2, wd, eps,
+                    c_int::from(amsgrad), c_int::from(adamw),
+                )
+            },
+            "fused_adam",
+        )
     }
 }
 
@@ -179,30 +236,6 @@ fn sgd(p: &mut Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::Sgd) 
         d_p = if c.nesterov { &d_p + &buf * c.momentum } else { buf };
     }
     let _ = p.f_sub_(&(d_p * lr)).ctx("SGD update")?;
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn adam(p: &mut Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, beta1: f64, beta2: f64, eps: f64, amsgrad: bool) -> Result<()> {
-    let mut exp_avg = st.buffer("exp_avg", p)?;
-    let mut exp_avg_sq = st.buffer("exp_avg_sq", p)?;
-    let _ = exp_avg.f_lerp_(grad, 1.0 - beta1).ctx("Adam first moment")?;
-    let _ = exp_avg_sq.f_mul_scalar_(beta2).ctx("Adam second moment")?;
-    let _ = exp_avg_sq.f_add_(&(grad * grad * (1.0 - beta2))).ctx("Adam second moment")?;
-    let step = st.step as i32;
-    let bias_correction1 = 1.0 - beta1.powi(step);
-    let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();
-    let step_size = lr / bias_correction1;
-    let second = if amsgrad {
-        let mut max_sq = st.buffer("max_exp_avg_sq", p)?;
-        let m = max_sq.f_maximum(&exp_avg_sq).ctx("amsgrad")?;
-        max_sq.f_copy_(&m).ctx("amsgrad")?;
-        max_sq
-    } else {
-        exp_avg_sq
-    };
-    let denom = second.f_sqrt().ctx("Adam denominator")? / bias_correction2_sqrt + eps;
-    let _ = p.f_sub_(&(exp_avg / denom * step_size)).ctx("Adam update")?;
     Ok(())
 }
 

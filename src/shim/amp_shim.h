@@ -12,9 +12,9 @@ namespace tch_amp {
 inline char* error_message(const std::string& msg) { return strdup(msg.c_str()); }
 }  // namespace tch_amp
 
-#define TCH_AMP_PROTECT(body)                                               \
+#define TCH_AMP_PROTECT(...)                                                \
   try {                                                                     \
-    body;                                                                   \
+    __VA_ARGS__;                                                            \
     return nullptr;                                                         \
   } catch (const c10::Error& e) {                                           \
     return tch_amp::error_message(e.what_without_backtrace());              \
