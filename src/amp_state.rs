@@ -19,7 +19,9 @@ fn mismatch(message: impl Into<String>) -> AmpError {
 }
 
 impl Amp {
-    /// The scalers' state in Apex's form.
+    /// The scalers' state in Apex's form. Growth interval and factors are not part of it (Apex
+    /// fixes them at 2000, 2 and 0.5); after loading a `GradScaler` state with other values,
+    /// keep that dict (or set them again) to restore them.
     pub fn state_dict(&self) -> AmpState {
         self.scalers().iter().enumerate().map(|(i, s)| (format!("loss_scaler{i}"), s.state())).collect()
     }
