@@ -23,10 +23,19 @@ pub(crate) fn check(err: *mut c_char, what: &'static str) -> Result<(), AmpError
     if err.is_null() {
         return Ok(());
     }
-    // SAFETY: a non-null return is a NUL-terminated string from strdup, owned by us.
-    let message = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-    unsafe { tch_amp_free_error(err) };
-    Err(AmpError::Shim { what, message })
+    Err(AmpError::Shim { what, message: take_string(err) })
+}
+
+/// Takes ownership of a string the shim allocated (strdup) and frees it.
+pub(crate) fn take_string(ptr: *mut c_char) -> String {
+    if ptr.is_null() {
+        return String::new();
+    }
+    // SAFETY: a non-null pointer from the shim is a NUL-terminated strdup'd string we own.
+    let s = unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned();
+    // SAFETY: allocated with strdup (malloc); tch_amp_free_error is `free`.
+    unsafe { tch_amp_free_error(ptr) };
+    s
 }
 
 use torch_sys::C_tensor;

@@ -8,7 +8,8 @@ use torch_sys::C_tensor;
 use crate::error::{AmpError, Result};
 use crate::ffi;
 
-fn ptr(t: &Tensor) -> *mut C_tensor {
+/// The shim-side handle of a tensor (tch's `C_tensor`, an `at::Tensor*`).
+pub(crate) fn ptr(t: &Tensor) -> *mut C_tensor {
     t.as_ptr() as *mut C_tensor
 }
 

@@ -8,7 +8,6 @@ use tch::{nn, Kind, Tensor};
 
 use std::ffi::c_int;
 
-use torch_sys::C_tensor;
 
 use crate::dtype::is_low_precision;
 use crate::ffi;
@@ -187,7 +186,7 @@ impl FusedBatch {
             OptimizerConfig::AdamW(c) => (c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true),
             _ => return Ok(()),
         };
-        let ptrs = |v: &[Tensor]| v.iter().map(|t| t.as_ptr() as *mut C_tensor).collect::<Vec<_>>();
+        let ptrs = |v: &[Tensor]| v.iter().map(crate::grads::ptr).collect::<Vec<_>>();
         let (p, g, m, v, mx, s) = (
             ptrs(&self.params),
             ptrs(&self.grads),
