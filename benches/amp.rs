@@ -24,12 +24,26 @@ fn args() -> Args {
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < v.len() {
-        let next = |i: usize| v.get(i + 1).and_then(|s| s.parse::<i64>().ok()).unwrap_or_else(|| panic!("{} needs a number", v[i]));
+        let next = |i: usize| {
+            v.get(i + 1).and_then(|s| s.parse::<i64>().ok()).unwrap_or_else(|| panic!("{} needs a number", v[i]))
+        };
         match v[i].as_str() {
-            "--steps" => { a.steps = next(i) as usize; i += 1 }
-            "--native-steps" => { a.native_steps = next(i) as usize; i += 1 }
-            "--batch" => { a.batch = next(i); i += 1 }
-            "--hidden" => { a.hidden = next(i); i += 1 }
+            "--steps" => {
+                a.steps = next(i) as usize;
+                i += 1
+            }
+            "--native-steps" => {
+                a.native_steps = next(i) as usize;
+                i += 1
+            }
+            "--batch" => {
+                a.batch = next(i);
+                i += 1
+            }
+            "--hidden" => {
+                a.hidden = next(i);
+                i += 1
+            }
             "--no-python" => a.python = false,
             _ => {} // cargo bench passes --bench
         }
@@ -58,16 +72,23 @@ fn time_steps(steps: usize, mut step: impl FnMut()) -> f64 {
     for _ in 0..2 {
         step();
     }
-    median((0..steps.max(1)).map(|_| {
-        let t = Instant::now();
-        step();
-        t.elapsed().as_secs_f64() * 1e3
-    }).collect())
+    median(
+        (0..steps.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                step();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
 }
 
 fn data(a: &Args) -> (Tensor, Tensor) {
     tch::manual_seed(0);
-    (Tensor::randn([a.batch, 784], (Kind::Float, Device::Cpu)), Tensor::randint(10, [a.batch], (Kind::Int64, Device::Cpu)))
+    (
+        Tensor::randn([a.batch, 784], (Kind::Float, Device::Cpu)),
+        Tensor::randint(10, [a.batch], (Kind::Int64, Device::Cpu)),
+    )
 }
 
 fn hand_written_fp32(a: &Args) -> f64 {
@@ -132,10 +153,14 @@ fn main() {
     let a = args();
     println!(
         "tch-amp benchmark: MLP 784-{h}-{h}-10 with batch norm, batch {b}, Adam, {t} threads, median of {s} steps",
-        h = a.hidden, b = a.batch, t = tch::get_num_threads(), s = a.steps
+        h = a.hidden,
+        b = a.batch,
+        t = tch::get_num_threads(),
+        s = a.steps
     );
     let base = hand_written_fp32(&a);
-    let mut rows: Vec<(String, f64, String)> = vec![("fp32 hand-written tch loop (tch nn::Adam)".into(), base, String::new())];
+    let mut rows: Vec<(String, f64, String)> =
+        vec![("fp32 hand-written tch loop (tch nn::Adam)".into(), base, String::new())];
     let levels: Vec<(&str, AmpConfig, usize)> = vec![
         ("O0", AmpConfig::new(OptLevel::O0), a.steps),
         ("O1 fp16, emulation on", AmpConfig::new(OptLevel::O1), a.steps),
@@ -157,7 +182,11 @@ fn main() {
     if a.python {
         match python(&a) {
             Some(v) => {
-                for (k, label) in [("fp32", "PyTorch fp32 (Python)"), ("amp_fp16", "PyTorch autocast fp16 + GradScaler('cpu')"), ("amp_bf16", "PyTorch autocast bf16")] {
+                for (k, label) in [
+                    ("fp32", "PyTorch fp32 (Python)"),
+                    ("amp_fp16", "PyTorch autocast fp16 + GradScaler('cpu')"),
+                    ("amp_bf16", "PyTorch autocast bf16"),
+                ] {
                     if let Some(ms) = v[k].as_f64() {
                         let note = match (k, o2_ms) {
                             ("amp_fp16", Some(o2)) => format!("tch-amp O2 / this = {:.3}", o2 / ms),

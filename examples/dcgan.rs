@@ -241,17 +241,23 @@ fn run() -> Result<()> {
             let d_g_z2 = mean_prob(&output);
             let skipped_g = !optimizer_g.step()?.stepped();
 
-            let (ed_r, ed_f, eg) = (err_d_real.double_value(&[]), err_d_fake.double_value(&[]), err_g.double_value(&[]));
+            let (ed_r, ed_f, eg) =
+                (err_d_real.double_value(&[]), err_d_fake.double_value(&[]), err_g.double_value(&[]));
             let scales = [s0.loss_scale, s1.loss_scale, s2.loss_scale];
             log.write(
-                &StepRecord::new(step, ed_r + ed_f + eg, scales.iter().copied().fold(f64::INFINITY, f64::min), skipped_d || skipped_g)
-                    .with("epoch", epoch)
-                    .with("err_d_real", ed_r)
-                    .with("err_d_fake", ed_f)
-                    .with("err_g", eg)
-                    .with("loss_scales", scales.to_vec())
-                    .with("skipped_d", skipped_d)
-                    .with("skipped_g", skipped_g),
+                &StepRecord::new(
+                    step,
+                    ed_r + ed_f + eg,
+                    scales.iter().copied().fold(f64::INFINITY, f64::min),
+                    skipped_d || skipped_g,
+                )
+                .with("epoch", epoch)
+                .with("err_d_real", ed_r)
+                .with("err_d_fake", ed_f)
+                .with("err_g", eg)
+                .with("loss_scales", scales.to_vec())
+                .with("skipped_d", skipped_d)
+                .with("skipped_g", skipped_g),
             )?;
             step += 1;
             if i % args.print_freq.max(1) == 0 || i + 1 == batches_per_epoch {

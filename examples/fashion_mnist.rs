@@ -118,10 +118,22 @@ struct LevelResult {
     loss_scales: Vec<f64>,
 }
 
-fn train_level(args: &Args, data: &Dataset, level: OptLevel, log: &mut StepLog, first_step: u64) -> Result<LevelResult> {
+fn train_level(
+    args: &Args,
+    data: &Dataset,
+    level: OptLevel,
+    log: &mut StepLog,
+    first_step: u64,
+) -> Result<LevelResult> {
     tch::manual_seed(args.seed as i64);
     let vs = nn::VarStore::new(Device::Cpu);
-    let cfg = ResNetConfig { in_channels: 1, num_classes: data.num_classes, width: args.width, stages: args.stages, pool: args.pool };
+    let cfg = ResNetConfig {
+        in_channels: 1,
+        num_classes: data.num_classes,
+        width: args.width,
+        stages: args.stages,
+        pool: args.pool,
+    };
     let net = SmallResNet::new(&vs.root(), cfg);
     let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: args.weight_decay, nesterov: true };
     // verbosity 0: overflows are reported above the progress bar instead of by tch-amp.
@@ -224,7 +236,17 @@ fn print_table(results: &[LevelResult]) {
     println!();
     println!(
         "{:<5} {:>9} {:>9} {:>7} {:>11} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}",
-        "level", "test acc", "s/epoch", "vs O0", "bytes", "weights", "grads", "masters", "opt state", "skipped", "loss scale"
+        "level",
+        "test acc",
+        "s/epoch",
+        "vs O0",
+        "bytes",
+        "weights",
+        "grads",
+        "masters",
+        "opt state",
+        "skipped",
+        "loss scale"
     );
     for r in results {
         let ratio = r.ratio_to_o0.map_or("-".to_string(), |x| format!("{x:.2}x"));
@@ -280,7 +302,8 @@ fn run() -> Result<()> {
     let mut results: Vec<LevelResult> = Vec::new();
     let mut first_step = 0;
     for &level in &args.levels {
-        let r = train_level(&args, &data, level, &mut log, first_step).with_context(|| format!("training under {level}"))?;
+        let r = train_level(&args, &data, level, &mut log, first_step)
+            .with_context(|| format!("training under {level}"))?;
         first_step += r.losses.len() as u64;
         results.push(r);
     }
@@ -292,7 +315,8 @@ fn run() -> Result<()> {
     }
     print_table(&results);
 
-    std::fs::create_dir_all(&args.out).with_context(|| format!("{}: cannot create the output folder", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("{}: cannot create the output folder", args.out.display()))?;
     if !args.no_plot {
         let series: Vec<Series> = results
             .iter()
@@ -319,7 +343,8 @@ fn run() -> Result<()> {
         "results": &results,
     });
     let path = args.out.join("record.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&record)?).with_context(|| format!("{}: cannot write", path.display()))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&record)?)
+        .with_context(|| format!("{}: cannot write", path.display()))?;
     println!("wrote {}", path.display());
     println!("wall time {:.1} s", wall.elapsed().as_secs_f64());
     Ok(())

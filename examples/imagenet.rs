@@ -119,7 +119,8 @@ fn validate(model: &impl ModuleT, test: &Split, batch_size: usize) -> Eval {
 
 fn write_info(path: &Path, info: &CheckpointInfo) -> Result<()> {
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(info)?).with_context(|| format!("{}: cannot write", tmp.display()))?;
+    std::fs::write(&tmp, serde_json::to_string_pretty(info)?)
+        .with_context(|| format!("{}: cannot write", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))
 }
 
@@ -143,7 +144,8 @@ fn run() -> Result<()> {
     println!("=> creating model '{arch}' for {h}x{w} images, {} classes", data.num_classes);
     tch::manual_seed(args.data.seed as i64);
     let vs = nn::VarStore::new(Device::Cpu);
-    let cfg = ResNetConfig { in_channels: 1, num_classes: data.num_classes, width: args.width, stages: args.stages, pool: 1 };
+    let cfg =
+        ResNetConfig { in_channels: 1, num_classes: data.num_classes, width: args.width, stages: args.stages, pool: 1 };
     let net = SmallResNet::new(&vs.root(), cfg);
 
     // Scale the learning rate by the batch size, as Apex does.
@@ -161,7 +163,8 @@ fn run() -> Result<()> {
         let ipath = info_path(path);
         let text = std::fs::read_to_string(&ipath)
             .with_context(|| format!("{}: cannot read the checkpoint's epoch and best Prec@1", ipath.display()))?;
-        let info: CheckpointInfo = serde_json::from_str(&text).with_context(|| format!("{}: malformed", ipath.display()))?;
+        let info: CheckpointInfo =
+            serde_json::from_str(&text).with_context(|| format!("{}: malformed", ipath.display()))?;
         start_epoch = info.epoch;
         best_prec1 = info.best_prec1;
         global_step = info.step;

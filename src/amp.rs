@@ -1,23 +1,53 @@
-//! The AMP handle: properties, one loss scaler per loss, `scale_loss`, and the factory for
-//! cast models and AMP optimizers.
+//! [`Amp`], the handle `initialize` returns: the resolved options, one loss scaler per loss,
+//! the cast engine's activation on this thread, `scale_loss`, and the factory for cast models
+//! and AMP optimizers.
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::nn::VarStore;
 use tch::{Device, Kind, TchError, Tensor};
 
-use crate::amp_optimizer::AmpOptimizer;
-use crate::cast_model::{cast_var_store, CastReport};
-use crate::config::AmpConfig;
+use crate::cast::disable::without_casts;
+use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, PolicyHandle};
+use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
-use crate::master_weights::build_entries;
-use crate::model::AmpModel;
-use crate::o1::{install_policy, without_casts, ActivePolicyGuard, CastPolicy, O1Settings, PolicyHandle};
-use crate::optim::OptimizerConfig;
-use crate::properties::Properties;
-use crate::scaler::LossScaler;
+use crate::model::{cast_var_store, AmpModel, CastReport};
+use crate::optim::{build_entries, AmpOptimizer, OptimizerConfig, OptimizerSetup};
+use crate::scaling::{self, AmpState, LossScaler};
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What the properties mean for this `Amp`, resolved once (`enabled` folded in).
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    /// Not `enabled`: everything passes through.
+    disabled: bool,
+    /// Optimizers step fp32 masters of the low-precision variables.
+    masters: bool,
+    /// O1's per-op casts are active; the step runs with them off.
+    o1: bool,
+    /// The model's variables are cast to this dtype, floating outputs to `.1`.
+    model_cast: Option<(Kind, Kind)>,
+    /// Floating outputs are cast to this dtype although the model is not (O1/O0 with
+    /// `cast_model_outputs`).
+    outputs_only: Option<Kind>,
+}
+
+impl Plan {
+    fn new(p: &Properties) -> Self {
+        let enabled = p.enabled();
+        Self {
+            disabled: !enabled,
+            masters: enabled && p.master_weights(),
+            o1: enabled && p.patch_torch_functions(),
+            model_cast: p
+                .cast_model_type()
+                .filter(|_| enabled)
+                .map(|k| (k, p.cast_model_outputs().unwrap_or(Kind::Float))),
+            outputs_only: p.cast_model_outputs().filter(|_| enabled && p.cast_model_type().is_none()),
+        }
+    }
+}
 
 /// The cast policy an `Amp` keeps active on its thread: Apex's O1 lists, or under O2/O3 on CPU
 /// the emulation-only policy. Guards drop before the handle (field order).
@@ -28,23 +58,18 @@ struct CastRuntime {
 }
 
 impl CastRuntime {
-    fn for_properties(p: &Properties) -> Result<Option<Self>> {
-        if !p.enabled {
-            return Ok(None);
-        }
-        let settings = O1Settings::default()
-            .allow_banned(p.allow_banned)
-            .emulate_cpu(p.emulate_low_precision_on_cpu);
-        let (policy, settings, devices) = if p.patch_torch_functions {
+    fn for_properties(p: &Properties, plan: Plan) -> Result<Option<Self>> {
+        let settings = p.cast_settings();
+        let (policy, settings, devices) = if plan.o1 {
             let mut devices = vec![Device::Cpu];
             if tch::Cuda::is_available() {
                 devices.push(Device::Cuda(0));
             }
-            (p.cast_policy.clone(), settings.low_dtype(p.low_precision_dtype), devices)
+            (p.cast_policy().clone(), settings, devices)
         } else {
-            match p.cast_model_type {
-                Some(k @ (Kind::Half | Kind::BFloat16)) if p.emulate_low_precision_on_cpu => {
-                    (CastPolicy::emulation_only(), settings.low_dtype(k), vec![Device::Cpu])
+            match plan.model_cast {
+                Some((k @ (Kind::Half | Kind::BFloat16), _)) if settings.emulate_low_precision_on_cpu => {
+                    (CastPolicy::emulation_only(), settings.low_precision_dtype(k), vec![Device::Cpu])
                 }
                 _ => return Ok(None),
             }
@@ -85,21 +110,24 @@ pub struct ScaleLossOutcome {
 
 /// The state `initialize` creates: resolved [`Properties`] and one [`LossScaler`] per loss.
 ///
-/// Not `Send`: under O1 the cast policy is active on the thread that created it.
+/// Not `Send`: the cast policy (O1, or the CPU emulation under O2/O3) is active on the thread
+/// that created it.
 #[derive(Debug)]
 pub struct Amp {
     id: u64,
     props: Properties,
+    plan: Plan,
     scalers: Vec<LossScaler>,
     casts: Option<CastRuntime>,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl Amp {
-    /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, installs the
-    /// cast policy and activates it on this thread (CPU, and CUDA when available) for as long as
-    /// the `Amp` lives. Under O2/O3 with an fp16/bf16 model and CPU emulation on (the default),
-    /// the emulation-only policy is activated for CPU the same way.
+    /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, activates the
+    /// cast policy on this thread (CPU, and CUDA when available) for as long as the `Amp`
+    /// lives. Under O2/O3 with an fp16/bf16 model and CPU emulation on (the default), the
+    /// emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
+    /// cast engine registers its kernels with libtorch, once for the process.
     ///
     /// # Errors
     /// Any rejection of [`AmpConfig::build`]; the policy's errors (an unknown op in a user
@@ -113,12 +141,20 @@ impl Amp {
     /// # Errors
     /// As [`Self::new`], for the cast policy.
     pub fn from_properties(props: Properties) -> Result<Self> {
-        let scalers = (0..props.num_losses).map(|_| LossScaler::new(&props)).collect();
-        if props.verbosity >= 2 {
+        let plan = Plan::new(&props);
+        let scalers = (0..props.num_losses()).map(|_| LossScaler::new(&props)).collect();
+        if props.verbosity() >= 2 {
             println!("tch-amp: {props:?}");
         }
-        let casts = CastRuntime::for_properties(&props)?;
-        Ok(Self { id: NEXT_AMP_ID.fetch_add(1, Ordering::Relaxed), props, scalers, casts, _thread_bound: PhantomData })
+        let casts = CastRuntime::for_properties(&props, plan)?;
+        Ok(Self {
+            id: NEXT_AMP_ID.fetch_add(1, Ordering::Relaxed),
+            props,
+            plan,
+            scalers,
+            casts,
+            _thread_bound: PhantomData,
+        })
     }
 
     /// Whether a cast policy (O1, or the CPU emulation under O2/O3) is active on this thread
@@ -145,16 +181,50 @@ impl Amp {
         self.scalers.get(loss_id).ok_or(AmpError::LossIdOutOfRange { loss_id, num_losses: self.scalers.len() })
     }
 
-    pub(crate) fn scalers_mut(&mut self) -> &mut [LossScaler] {
-        &mut self.scalers
-    }
-
     /// The current scale of `loss_id`.
     ///
     /// # Errors
     /// [`AmpError::LossIdOutOfRange`].
     pub fn loss_scale(&self, loss_id: usize) -> Result<f64> {
         Ok(self.scaler(loss_id)?.loss_scale())
+    }
+
+    /// The scalers' state in Apex's form (`amp.state_dict()`):
+    /// `{"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}, ...}`. Growth interval and
+    /// factors are not part of it (Apex fixes them at 2000, 2 and 0.5); after loading a
+    /// `GradScaler` state with other values, keep that dict (or set them again) to restore them.
+    pub fn state_dict(&self) -> AmpState {
+        scaling::state_dict(&self.scalers)
+    }
+
+    /// [`Self::state_dict`] as JSON text.
+    pub fn state_dict_json(&self) -> String {
+        serde_json::to_string_pretty(&self.state_dict()).unwrap_or_default()
+    }
+
+    /// Restores the scalers from Apex's form (one `loss_scalerN` entry per loss, each with
+    /// `loss_scale` and `unskipped`) or, for a single loss, from torch's
+    /// `GradScaler.state_dict()` (`scale`, `growth_factor`, `backoff_factor`,
+    /// `growth_interval`, `_growth_tracker`).
+    ///
+    /// # Errors
+    /// [`AmpError::StateMismatch`] for an unknown key, a missing scaler, a count that differs
+    /// from `num_losses`, or a non-positive / non-finite scale. Nothing is applied then
+    /// (Apex applies the valid entries and raises afterwards).
+    pub fn load_state_dict(&mut self, state: &serde_json::Value) -> Result<()> {
+        let parsed = scaling::parse_state(&self.scalers, state)?;
+        scaling::apply_state(&mut self.scalers, parsed);
+        Ok(())
+    }
+
+    /// Checks a state against this `Amp` without applying it (checkpoint loading).
+    pub(crate) fn check_state_dict(&self, state: &serde_json::Value) -> Result<scaling::ParsedState> {
+        scaling::parse_state(&self.scalers, state)
+    }
+
+    /// Applies a state checked by [`Self::check_state_dict`].
+    pub(crate) fn apply_checked_state(&mut self, parsed: scaling::ParsedState) {
+        scaling::apply_state(&mut self.scalers, parsed)
     }
 
     /// Casts the model held by `vs` as the opt level says (O2/O3: floating variables to fp16
@@ -173,15 +243,12 @@ impl Amp {
     /// # Errors
     /// As [`Self::cast_model`].
     pub fn cast_model_with_report<M>(&self, vs: &VarStore, model: M) -> Result<(AmpModel<M>, CastReport)> {
-        let p = &self.props;
-        match (p.enabled, p.cast_model_type) {
-            (true, Some(kind)) => {
-                let report = cast_var_store(vs, kind, p.keep_batchnorm_fp32)?;
-                let out = p.cast_model_outputs.unwrap_or(Kind::Float);
+        match self.plan.model_cast {
+            Some((kind, out)) => {
+                let report = cast_var_store(vs, kind, self.props.keep_batchnorm_fp32())?;
                 Ok((AmpModel::new(model, Some(kind), Some(out)), report))
             }
-            (true, None) => Ok((AmpModel::new(model, None, p.cast_model_outputs), CastReport::default())),
-            (false, _) => Ok((AmpModel::new(model, None, None), CastReport::default())),
+            None => Ok((AmpModel::new(model, None, self.plan.outputs_only), CastReport::default())),
         }
     }
 
@@ -198,7 +265,8 @@ impl Amp {
     /// segments: `"layer1"` selects `layer1.*`, never `layer10.*`); an empty list selects all.
     ///
     /// # Errors
-    /// [`AmpError::Usage`] when no variable lies under the prefixes; as [`Self::optimizer`].
+    /// [`AmpError::NoVariablesUnder`] when no variable lies under the prefixes; as
+    /// [`Self::optimizer`].
     pub fn optimizer_for(
         &self,
         vs: &VarStore,
@@ -206,11 +274,10 @@ impl Amp {
         config: impl Into<OptimizerConfig>,
         lr: f64,
     ) -> Result<AmpOptimizer> {
-        let p = &self.props;
-        let masters = p.enabled && p.master_weights;
-        let entries = build_entries(vs, prefixes, masters)?;
-        let disable_casts = p.enabled && p.patch_torch_functions;
-        AmpOptimizer::new(self.id, config.into(), lr, entries, disable_casts, p.verbosity)
+        let entries = build_entries(vs, prefixes, self.plan.masters)?;
+        let setup =
+            OptimizerSetup { amp_id: self.id, disable_casts_in_step: self.plan.o1, verbosity: self.props.verbosity() };
+        AmpOptimizer::new(setup, config.into(), lr, entries)
     }
 
     /// [`Self::scale_loss_with`] for loss 0, no delay.
@@ -251,8 +318,9 @@ impl Amp {
     /// [`Self::scale_loss_with`] with a fallible `backward` (e.g. `|s| s.f_backward()`).
     ///
     /// # Errors
-    /// [`AmpError::LossIdOutOfRange`]; [`AmpError::Usage`] for an optimizer of another
-    /// `Amp`; [`AmpError::Torch`] from `backward` or from unscaling.
+    /// [`AmpError::LossIdOutOfRange`]; [`AmpError::ForeignOptimizer`] for an optimizer of
+    /// another `Amp`; [`AmpError::DuplicateOptimizer`]; [`AmpError::Torch`] from `backward` or
+    /// from unscaling.
     pub fn f_scale_loss_with(
         &mut self,
         loss: &Tensor,
@@ -261,110 +329,99 @@ impl Amp {
         backward: impl FnOnce(&Tensor) -> std::result::Result<(), TchError>,
     ) -> Result<ScaleLossOutcome> {
         let ScaleLossOptions { loss_id, delay_unscale } = options;
-        let num_losses = self.scalers.len();
-        let scaler = self.scalers.get(loss_id).ok_or(AmpError::LossIdOutOfRange { loss_id, num_losses })?;
-        if let Some(o) = optimizers.iter().find(|o| o.amp_id != self.id) {
-            return Err(AmpError::Usage(format!(
-                "an optimizer given to scale_loss was made by another Amp (id {}), not this one (id {})",
-                o.amp_id, self.id
-            )));
-        }
-        for (i, a) in optimizers.iter().enumerate() {
-            if optimizers[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {
-                return Err(AmpError::Usage("the same optimizer was given twice to scale_loss".into()));
-            }
-        }
-        let scale = scaler.loss_scale();
-        let dynamic = scaler.is_dynamic();
-        let p = &self.props;
-        let patch = p.enabled && p.patch_torch_functions;
-        let pass_through = !p.enabled || (!p.master_weights && !dynamic && scale == 1.0);
-        if pass_through {
-            let l = if p.enabled { loss.f_to_kind(Kind::Float).ctx("loss.float()")? } else { loss.shallow_clone() };
-            let r = self.run_backward(backward, &l)?;
-            if patch {
-                crate::o1::clear_cast_cache()?;
-            }
-            r?;
-            return Ok(ScaleLossOutcome {
-                loss_id,
-                loss_scale: scale,
-                overflow: false,
-                new_loss_scale: scale,
-                delayed: false,
-                passed_through: true,
-            });
-        }
-        if !delay_unscale {
-            for o in optimizers.iter_mut() {
-                o.prepare_backward()?;
-            }
-        }
-        let scaled = (loss.f_to_kind(Kind::Float).ctx("loss.float()")? * scale).shallow_clone();
-        let r = self.run_backward(backward, &scaled)?;
-        if patch {
-            crate::o1::clear_cast_cache()?;
-        }
-        r?;
-        if delay_unscale {
-            for o in optimizers.iter_mut() {
-                o.scaled_pending = true;
-            }
-            return Ok(ScaleLossOutcome {
-                loss_id,
-                loss_scale: scale,
-                overflow: false,
-                new_loss_scale: scale,
-                delayed: true,
-                passed_through: false,
-            });
-        }
-        let device = optimizers
-            .iter()
-            .flat_map(|o| o.entries.first().map(|e| e.model.device()))
-            .next()
-            .unwrap_or(Device::Cpu);
-        let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
-        let inv_scale = Tensor::f_full([1], 1.0 / scale, (Kind::Float, device)).ctx("inv_scale")?;
-        for o in optimizers.iter_mut() {
-            o.post_backward(&found_inf, &inv_scale)?;
-        }
-        // The one host sync of a dynamic step.
-        let overflow = dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0;
-        let scaler = &mut self.scalers[loss_id];
-        let skip = scaler.update(overflow);
-        let new_scale = scaler.loss_scale();
-        if skip {
-            for o in optimizers.iter_mut() {
-                o.mark_skip(loss_id, new_scale);
-            }
-        }
-        Ok(ScaleLossOutcome {
+        self.check_call(loss_id, optimizers)?;
+        let scaler = &self.scalers[loss_id];
+        let (scale, dynamic) = (scaler.loss_scale(), scaler.is_dynamic());
+        let outcome = |overflow, new_loss_scale, delayed, passed_through| ScaleLossOutcome {
             loss_id,
             loss_scale: scale,
             overflow,
-            new_loss_scale: new_scale,
-            delayed: false,
-            passed_through: false,
-        })
+            new_loss_scale,
+            delayed,
+            passed_through,
+        };
+        // Apex: disabled, or a static scale of 1 without masters, hands loss.float() straight
+        // to backward: no unscale, no check.
+        if self.plan.disabled || (!self.plan.masters && !dynamic && scale == 1.0) {
+            let l = if self.plan.disabled {
+                loss.shallow_clone()
+            } else {
+                loss.f_to_kind(Kind::Float).ctx("loss.float()")?
+            };
+            self.run_backward(backward, &l)?;
+            return Ok(outcome(false, scale, false, true));
+        }
+        if !delay_unscale {
+            for o in optimizers.iter_mut() {
+                o.begin_backward()?;
+            }
+        }
+        let scaled = loss.f_to_kind(Kind::Float).ctx("loss.float()")? * scale;
+        self.run_backward(backward, &scaled)?;
+        if delay_unscale {
+            optimizers.iter_mut().for_each(|o| o.keep_scaled());
+            return Ok(outcome(false, scale, true, false));
+        }
+        let overflow = Self::unscale(optimizers, scale, dynamic)?;
+        let new_scale = self.update_scale(loss_id, overflow, optimizers);
+        Ok(outcome(overflow, new_scale, false, false))
     }
 
-}
+    /// The loss id exists; every optimizer is this `Amp`'s, each given once.
+    fn check_call(&self, loss_id: usize, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
+        self.scaler(loss_id)?;
+        if let Some(o) = optimizers.iter().find(|o| o.amp_id() != self.id) {
+            return Err(AmpError::ForeignOptimizer { optimizer_amp: o.amp_id(), amp: self.id });
+        }
+        for (i, a) in optimizers.iter().enumerate() {
+            if optimizers[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {
+                return Err(AmpError::DuplicateOptimizer);
+            }
+        }
+        Ok(())
+    }
 
-impl Amp {
     /// Runs the user's backward with the cast policy off on this thread, so that backward ops
     /// (on CUDA, also those on autograd's device threads, which inherit autocast's state) are
     /// never cast: as under Apex, backward runs in the dtypes the forward's casts gave it.
+    /// Under O1 the weight-cast cache is emptied afterwards, as Apex did at each exit.
     fn run_backward(
         &self,
         backward: impl FnOnce(&Tensor) -> std::result::Result<(), TchError>,
         loss: &Tensor,
-    ) -> Result<std::result::Result<(), AmpError>> {
-        if self.casts.is_some() {
-            Ok(without_casts(|| backward(loss).ctx("backward"))?)
+    ) -> Result<()> {
+        let result = if self.casts.is_some() {
+            without_casts(|| backward(loss).ctx("backward"))?
         } else {
-            Ok(backward(loss).ctx("backward"))
+            backward(loss).ctx("backward")
+        };
+        if self.plan.o1 {
+            clear_cast_cache()?;
         }
+        result
+    }
+
+    /// Unscales every optimizer's new gradients by 1/`scale` (fused, no host sync) and, for a
+    /// dynamic scaler, reads the inf/NaN flag: the one host sync of a dynamic step.
+    fn unscale(optimizers: &mut [&mut AmpOptimizer], scale: f64, dynamic: bool) -> Result<bool> {
+        let device = optimizers.iter().find_map(|o| o.device()).unwrap_or(Device::Cpu);
+        let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
+        let inv_scale = Tensor::f_full([1], 1.0 / scale, (Kind::Float, device)).ctx("inv_scale")?;
+        for o in optimizers.iter_mut() {
+            o.end_backward(&found_inf, &inv_scale)?;
+        }
+        Ok(dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
+    }
+
+    /// Updates the scaler of `loss_id`; on a skip, every optimizer skips its next step.
+    fn update_scale(&mut self, loss_id: usize, overflow: bool, optimizers: &mut [&mut AmpOptimizer]) -> f64 {
+        let scaler = &mut self.scalers[loss_id];
+        let skip = scaler.update(overflow);
+        let new_scale = scaler.loss_scale();
+        if skip {
+            optimizers.iter_mut().for_each(|o| o.mark_skip(loss_id, new_scale));
+        }
+        new_scale
     }
 }
 
@@ -386,4 +443,3 @@ pub fn initialize<M>(
     let opt = amp.optimizer(vs, optimizer, lr)?;
     Ok((model, opt, amp))
 }
-

@@ -1,28 +1,51 @@
 //! Training checkpoints that resume bit-exactly: model variables (fp32, taken from the
-//! masters where there are masters, so nothing is rebuilt from fp16 as in Apex), optimizer
-//! state (moments, step counts, learning rate) and the loss scalers, in one safetensors file
-//! written atomically. Loading checks everything first and changes nothing on a mismatch.
-use std::collections::{BTreeMap, HashMap};
+//! masters where there are masters, so nothing is rebuilt from fp16 as in Apex), each
+//! optimizer's [`OptimizerRecord`] (moments, step counts, learning rates) and the loss
+//! scalers, in one safetensors file written atomically. Loading checks everything first and
+//! changes nothing on a mismatch.
+//!
+//! Layout: tensors `model/<name>`, `optimizer<i>/<name>/<buffer>` and
+//! `optimizer<i>/<name>/step` (I64), and one metadata entry `tch_amp` holding [`Metadata`] as
+//! JSON (one key, so the file's bytes do not depend on a hash map's order).
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::amp::Amp;
-use crate::amp_optimizer::AmpOptimizer;
+use crate::config::OptLevel;
 use crate::dtype::is_floating;
-use crate::error::{AmpError, Result, TorchContext};
+use crate::error::{mismatch, AmpError, Result, TorchContext};
+use crate::optim::{AmpOptimizer, OptimizerRecord, ParamRecord};
+use crate::scaling::AmpState;
 
-const FORMAT: &str = "tch-amp-checkpoint/1";
+const FORMAT: &str = "tch-amp-checkpoint/2";
+const METADATA_KEY: &str = "tch_amp";
 
-fn io_err(path: &Path, source: std::io::Error) -> AmpError {
-    AmpError::Io { path: path.to_path_buf(), source }
+/// The checkpoint's metadata. Every field is required; unknown fields are an error.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Metadata {
+    format: String,
+    opt_level: OptLevel,
+    amp: AmpState,
+    optimizers: Vec<OptimizerMeta>,
 }
 
-fn mismatch(message: impl Into<String>) -> AmpError {
-    AmpError::StateMismatch { message: message.into() }
+/// The non-tensor part of an [`OptimizerRecord`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OptimizerMeta {
+    kind: String,
+    lr: f64,
+    group_lr: BTreeMap<usize, f64>,
+    steps: u64,
+    skipped: u64,
+    params: Vec<String>,
 }
 
 fn st_dtype(kind: Kind) -> Result<Dtype> {
@@ -37,7 +60,13 @@ fn st_dtype(kind: Kind) -> Result<Dtype> {
         Kind::Int8 => Dtype::I8,
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
-        other => return Err(mismatch(format!("cannot checkpoint a tensor of kind {other:?}"))),
+        other => {
+            return Err(AmpError::DtypeMismatch {
+                name: "a checkpointed tensor".into(),
+                expected: "a dtype safetensors stores",
+                found: other,
+            })
+        }
     })
 }
 
@@ -66,7 +95,13 @@ struct HostTensor {
 
 impl HostTensor {
     fn from_tensor(t: &Tensor) -> Result<Self> {
-        let t = t.f_detach().ctx("checkpoint")?.f_to_device(Device::Cpu).ctx("checkpoint")?.f_contiguous().ctx("checkpoint")?;
+        let t = t
+            .f_detach()
+            .ctx("checkpoint")?
+            .f_to_device(Device::Cpu)
+            .ctx("checkpoint")?
+            .f_contiguous()
+            .ctx("checkpoint")?;
         let numel = t.numel();
         let mut bytes = vec![0u8; numel * t.kind().elt_size_in_bytes()];
         t.f_copy_data_u8(&mut bytes, numel).ctx("reading a tensor for the checkpoint")?;
@@ -75,86 +110,97 @@ impl HostTensor {
     }
 }
 
-/// Names and tensors that go into a checkpoint, before serialization.
-fn collect(vs: &VarStore, optimizers: &[&AmpOptimizer]) -> Result<BTreeMap<String, HostTensor>> {
+/// Names and tensors that go into a checkpoint, and the optimizers' metadata.
+fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<String, HostTensor>, Vec<OptimizerMeta>)> {
     let mut out = BTreeMap::new();
-    let mut masters: HashMap<&str, &Tensor> = HashMap::new();
-    for o in optimizers {
-        for e in &o.entries {
-            if let Some(m) = &e.master {
-                masters.insert(e.name.as_str(), m);
-            }
-        }
-    }
+    let masters: BTreeMap<&str, &Tensor> = records
+        .iter()
+        .flat_map(|r| r.params.iter().filter_map(|p| p.master.as_ref().map(|m| (p.name.as_str(), m))))
+        .collect();
     let _no_grad = tch::no_grad_guard();
     for (name, var) in vs.variables() {
         let t = match masters.get(name.as_str()) {
             Some(m) => m.shallow_clone(),
-            None if is_floating(var.kind()) && var.kind() != Kind::Double => var.f_to_kind(Kind::Float).ctx("checkpoint")?,
+            None if is_floating(var.kind()) && var.kind() != Kind::Double => {
+                var.f_to_kind(Kind::Float).ctx("checkpoint")?
+            }
             None => var,
         };
         out.insert(format!("model/{name}"), HostTensor::from_tensor(&t)?);
     }
-    for (i, o) in optimizers.iter().enumerate() {
-        for (e, st) in o.entries.iter().zip(&o.inner.state) {
-            for (buf, t) in &st.buffers {
-                out.insert(format!("optimizer{i}/{}/{buf}", e.name), HostTensor::from_tensor(t)?);
+    let mut metas = Vec::with_capacity(records.len());
+    for (i, r) in records.iter().enumerate() {
+        for p in &r.params {
+            for (buf, t) in &p.buffers {
+                out.insert(format!("optimizer{i}/{}/{buf}", p.name), HostTensor::from_tensor(t)?);
             }
-            let step = Tensor::from_slice(&[st.step as i64]);
-            out.insert(format!("optimizer{i}/{}/step", e.name), HostTensor::from_tensor(&step)?);
+            let step =
+                i64::try_from(p.step).map_err(|_| mismatch(format!("{}: step {} overflows i64", p.name, p.step)))?;
+            out.insert(format!("optimizer{i}/{}/step", p.name), HostTensor::from_tensor(&Tensor::from_slice(&[step]))?);
         }
+        metas.push(OptimizerMeta {
+            kind: r.kind.clone(),
+            lr: r.lr,
+            group_lr: r.group_lr.clone(),
+            steps: r.steps,
+            skipped: r.skipped,
+            params: r.params.iter().map(|p| p.name.clone()).collect(),
+        });
     }
-    Ok(out)
+    Ok((out, metas))
 }
 
-/// Writes model variables, optimizer state and the AMP state to `path` atomically (a
-/// temporary file in the same folder, synced, then renamed over `path`).
+/// Writes model variables, optimizer records and the AMP state to `path` atomically (a
+/// temporary file in the same folder, synced, renamed over `path`, the folder synced).
 ///
 /// # Errors
-/// [`AmpError::Io`] when the file cannot be written (any previous file at `path` is left
-/// intact); [`AmpError::Torch`] if a tensor cannot be read.
+/// [`AmpError::Save`] when the file cannot be written (any previous file at `path` is left
+/// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
 pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&AmpOptimizer], amp: &Amp) -> Result<()> {
     let path = path.as_ref();
-    let tensors = collect(vs, optimizers)?;
+    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
+    let (tensors, optimizers) = collect(vs, &records)?;
+    let save_err =
+        |message: String| AmpError::Save { path: path.to_path_buf(), source: std::io::Error::other(message) };
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(k, h)| {
             TensorView::new(h.dtype, h.shape.clone(), &h.bytes)
                 .map(|v| (k.clone(), v))
-                .map_err(|e| mismatch(format!("{k}: {e:?}")))
+                .map_err(|e| save_err(format!("{k}: {e:?}")))
         })
         .collect::<Result<_>>()?;
-    let optim_meta: Vec<serde_json::Value> = optimizers
-        .iter()
-        .map(|o| {
-            let (steps, skipped) = o.step_counts();
-            serde_json::json!({
-                "lr": o.lr(), "group_lr": o.inner.group_lr, "steps": steps, "skipped": skipped, "params": o.param_names()
-            })
-        })
-        .collect();
-    let mut meta = HashMap::new();
-    meta.insert("format".to_string(), FORMAT.to_string());
-    meta.insert("opt_level".to_string(), amp.properties().opt_level.to_string());
-    meta.insert("amp".to_string(), serde_json::to_string(&amp.state_dict()).unwrap_or_default());
-    meta.insert("optimizers".to_string(), serde_json::Value::Array(optim_meta).to_string());
-    let bytes = safetensors::tensor::serialize(views, &Some(meta)).map_err(|e| mismatch(format!("serializing: {e:?}")))?;
+    let meta = Metadata {
+        format: FORMAT.to_string(),
+        opt_level: amp.properties().opt_level(),
+        amp: amp.state_dict(),
+        optimizers,
+    };
+    let json = serde_json::to_string(&meta).map_err(|e| save_err(format!("metadata: {e}")))?;
+    let header = std::collections::HashMap::from([(METADATA_KEY.to_string(), json)]);
+    let bytes =
+        safetensors::tensor::serialize(views, &Some(header)).map_err(|e| save_err(format!("serializing: {e:?}")))?;
     write_atomically(path, &bytes)
 }
 
+/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it over `path` and
+/// syncs the folder; on failure removes the temporary file and leaves `path` as it was.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let save_err = |source: std::io::Error| AmpError::Save { path: path.to_path_buf(), source };
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let file_name = path.file_name().ok_or_else(|| io_err(path, std::io::Error::other("not a file path")))?;
+    let file_name = path.file_name().ok_or_else(|| save_err(std::io::Error::other("not a file path")))?;
     let tmp: PathBuf = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, path)?;
+        // The rename is durable once the folder is synced.
+        std::fs::File::open(dir)?.sync_all()
     })();
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(path, e));
+        return Err(save_err(e));
     }
     Ok(())
 }
@@ -165,16 +211,73 @@ fn view_to_tensor(name: &str, v: &TensorView<'_>) -> Result<Tensor> {
     Tensor::f_from_data_size(v.data(), &shape, kind).map_err(|e| mismatch(format!("{name}: {e}")))
 }
 
-/// Restores what [`save_checkpoint`] wrote into the same kind of setup (same VarStore names
-/// and shapes, same optimizers over the same parameters, same `num_losses`). Variables keep
-/// their current dtype: fp16 model variables are set to the saved fp32 values rounded, which
-/// is exact for values saved from fp16 or from masters (unlike `VarStore::load`, nothing is
-/// silently recast). Everything is checked before anything is changed.
+fn all_finite(name: &str, t: &Tensor) -> Result<()> {
+    if !is_floating(t.kind()) {
+        return Ok(());
+    }
+    let finite = t.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checkpoint")?;
+    if finite == 0 {
+        return Err(mismatch(format!("{name} holds inf or NaN")));
+    }
+    Ok(())
+}
+
+/// Reads the optimizer `i`'s record from the file (masters from the staged model values).
+fn read_record(
+    st: &SafeTensors<'_>,
+    i: usize,
+    meta: OptimizerMeta,
+    masters: &BTreeMap<String, Tensor>,
+    with_master: &[bool],
+) -> Result<OptimizerRecord> {
+    let mut params = Vec::with_capacity(meta.params.len());
+    for (name, &has_master) in meta.params.iter().zip(with_master) {
+        let prefix = format!("optimizer{i}/{name}/");
+        let step_key = format!("{prefix}step");
+        let step_view = st.tensor(&step_key).map_err(|_| mismatch(format!("{step_key} is missing")))?;
+        if step_view.dtype() != Dtype::I64 || step_view.shape() != [1] {
+            return Err(mismatch(format!(
+                "{step_key} must be one I64, found {:?} {:?}",
+                step_view.dtype(),
+                step_view.shape()
+            )));
+        }
+        let step = view_to_tensor(&step_key, &step_view)?.f_int64_value(&[0]).ctx("checkpoint")?;
+        let step = u64::try_from(step).map_err(|_| mismatch(format!("{step_key} = {step} is negative")))?;
+        let mut buffers = BTreeMap::new();
+        for (key, view) in st.tensors() {
+            if let Some(buf) = key.strip_prefix(&prefix) {
+                if buf != "step" {
+                    buffers.insert(buf.to_string(), view_to_tensor(&key, &view)?);
+                }
+            }
+        }
+        let master = if has_master { masters.get(name).map(Tensor::shallow_clone) } else { None };
+        params.push(ParamRecord { name: name.clone(), step, buffers, master });
+    }
+    Ok(OptimizerRecord {
+        kind: meta.kind,
+        lr: meta.lr,
+        group_lr: meta.group_lr,
+        steps: meta.steps,
+        skipped: meta.skipped,
+        params,
+    })
+}
+
+/// Restores what [`save_checkpoint`] wrote into the same kind of setup (same opt level, same
+/// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`).
+/// Variables keep their current dtype: fp16 model variables are set to the saved fp32 values
+/// rounded, which is exact for values saved from fp16 or from masters (unlike `VarStore::load`,
+/// nothing is silently recast). Everything is checked before anything is changed: the
+/// metadata (every field required), every tensor's presence, dtype and shape, finite values in
+/// weights and optimizer state, the optimizer kinds and the AMP state.
 ///
 /// # Errors
-/// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign
-/// file, a missing or extra variable, a shape or optimizer mismatch, or an invalid AMP state —
-/// in every error case the model, optimizers and `amp` are untouched.
+/// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign or
+/// damaged file, another opt level, a missing or extra variable, a shape, dtype or optimizer
+/// mismatch, non-finite values, or an invalid AMP state. In every error case the model, the
+/// optimizers and `amp` are untouched.
 pub fn load_checkpoint(
     path: impl AsRef<Path>,
     vs: &VarStore,
@@ -182,78 +285,73 @@ pub fn load_checkpoint(
     amp: &mut Amp,
 ) -> Result<()> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
-    let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| mismatch(format!("{}: not a safetensors file ({e:?})", path.display())))?;
-    let meta = metadata.metadata().clone().unwrap_or_default();
-    if meta.get("format").map(String::as_str) != Some(FORMAT) {
-        return Err(mismatch(format!("{} is not a tch-amp checkpoint", path.display())));
+    let bytes = std::fs::read(path).map_err(|source| AmpError::Io { path: path.to_path_buf(), source })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| mismatch(format!("{}: not a safetensors file ({e:?})", path.display())))?;
+    let json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).ok_or_else(|| {
+        mismatch(format!("{} is not a tch-amp checkpoint (no {METADATA_KEY:?} metadata)", path.display()))
+    })?;
+    let meta: Metadata =
+        serde_json::from_str(json).map_err(|e| mismatch(format!("{}: checkpoint metadata: {e}", path.display())))?;
+    if meta.format != FORMAT {
+        return Err(mismatch(format!("{}: format {:?}, this tch-amp reads {FORMAT:?}", path.display(), meta.format)));
+    }
+    let level = amp.properties().opt_level();
+    if meta.opt_level != level {
+        return Err(mismatch(format!("the checkpoint was written under {}, this Amp is {level}", meta.opt_level)));
     }
     let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
     // Phase 1: check and stage everything.
-    let amp_json: serde_json::Value = serde_json::from_str(meta.get("amp").map_or("{}", String::as_str))
-        .map_err(|e| mismatch(format!("amp state: {e}")))?;
-    let amp_state = amp.parse_state(&amp_json)?;
-    let optim_meta: Vec<serde_json::Value> = serde_json::from_str(meta.get("optimizers").map_or("[]", String::as_str))
-        .map_err(|e| mismatch(format!("optimizer metadata: {e}")))?;
-    if optim_meta.len() != optimizers.len() {
-        return Err(mismatch(format!("checkpoint has {} optimizers, {} given", optim_meta.len(), optimizers.len())));
+    let amp_json = serde_json::to_value(&meta.amp).map_err(|e| mismatch(format!("amp state: {e}")))?;
+    let amp_state = amp.check_state_dict(&amp_json)?;
+    if meta.optimizers.len() != optimizers.len() {
+        return Err(mismatch(format!(
+            "checkpoint has {} optimizers, {} given",
+            meta.optimizers.len(),
+            optimizers.len()
+        )));
     }
     let vars = vs.variables();
-    let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
     let saved_model = st.names().iter().filter(|n| n.starts_with("model/")).count();
     if saved_model != vars.len() {
         return Err(mismatch(format!("checkpoint has {saved_model} model variables, the VarStore has {}", vars.len())));
     }
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
-    let mut staged: HashMap<String, Tensor> = HashMap::new();
+    let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
     for name in names {
         let var = &vars[name];
         let key = format!("model/{name}");
         let v = st.tensor(&key).map_err(|_| mismatch(format!("variable {name} is missing from the checkpoint")))?;
         let t = view_to_tensor(&key, &v)?;
         if t.size() != var.size() {
-            return Err(mismatch(format!("variable {name}: checkpoint shape {:?}, model shape {:?}", t.size(), var.size())));
+            return Err(mismatch(format!(
+                "variable {name}: checkpoint shape {:?}, model shape {:?}",
+                t.size(),
+                var.size()
+            )));
         }
-        if is_floating(var.kind()) != is_floating(t.kind()) {
-            return Err(mismatch(format!("variable {name}: checkpoint kind {:?}, model kind {:?}", t.kind(), var.kind())));
+        let expected = if is_floating(var.kind()) && var.kind() != Kind::Double { Kind::Float } else { var.kind() };
+        if t.kind() != expected {
+            return Err(mismatch(format!("variable {name}: checkpoint dtype {:?}, expected {expected:?}", t.kind())));
         }
+        all_finite(&key, &t)?;
+        let t = t.f_to_device(var.device()).ctx("checkpoint")?;
         staged.insert(name.clone(), t.shallow_clone());
         model_vals.push((var.shallow_clone(), t));
     }
-    let mut optim_vals = Vec::new();
-    for (i, (o, m)) in optimizers.iter().zip(&optim_meta).enumerate() {
-        let names: Vec<String> = m["params"].as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect()).unwrap_or_default();
-        if names != o.param_names() {
+    let mut staged_records = Vec::with_capacity(optimizers.len());
+    for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
+        let with_master = o.master_flags();
+        if m.params.len() != with_master.len() {
             return Err(mismatch(format!("optimizer {i} covers other parameters than the checkpoint's")));
         }
-        let lr = m["lr"].as_f64().ok_or_else(|| mismatch(format!("optimizer {i}: no lr")))?;
-        let group_lr: BTreeMap<usize, f64> = serde_json::from_value(m["group_lr"].clone()).unwrap_or_default();
-        let steps = m["steps"].as_u64().unwrap_or(0);
-        let skipped = m["skipped"].as_u64().unwrap_or(0);
-        let mut per_param = Vec::new();
-        for (e, _) in o.entries.iter().zip(&o.inner.state) {
-            let prefix = format!("optimizer{i}/{}/", e.name);
-            let step_t = st.tensor(&format!("{prefix}step")).map_err(|_| mismatch(format!("{prefix}step missing")))?;
-            let step = view_to_tensor(&prefix, &step_t)?.f_int64_value(&[0]).map_err(|e| mismatch(e.to_string()))?;
-            let mut buffers = BTreeMap::new();
-            for buf in o.inner.config.buffer_names() {
-                if let Ok(v) = st.tensor(&format!("{prefix}{buf}")) {
-                    let t = view_to_tensor(buf, &v)?;
-                    let p = e.stepped();
-                    if t.size() != p.size() || t.kind() != crate::optim::state_kind(p.kind()) {
-                        return Err(mismatch(format!("{prefix}{buf}: shape/kind differ from the parameter")));
-                    }
-                    buffers.insert(*buf, t.f_to_device(p.device()).ctx("checkpoint")?);
-                }
-            }
-            let master = match &e.master {
-                Some(_) => Some(staged.get(&e.name).ok_or_else(|| mismatch(format!("no value for master {}", e.name)))?.shallow_clone()),
-                None => None,
-            };
-            per_param.push((step.max(0) as u64, buffers, master));
-        }
-        optim_vals.push(((lr, group_lr), steps, skipped, per_param));
+        let record = read_record(&st, i, m, &staged, &with_master)?;
+        staged_records.push(o.stage_record(record).map_err(|e| match e {
+            AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
+            other => other,
+        })?);
     }
     // Phase 2: apply (all checks passed).
     let _no_grad = tch::no_grad_guard();
@@ -261,9 +359,9 @@ pub fn load_checkpoint(
         let mut v = var;
         v.f_copy_(&t).ctx("restoring a model variable")?;
     }
-    for (o, (lr, steps, skipped, per_param)) in optimizers.iter_mut().zip(optim_vals) {
-        o.restore(lr, steps, skipped, per_param)?;
+    for (o, r) in optimizers.iter_mut().zip(staged_records) {
+        o.apply_staged(r)?;
     }
-    amp.apply_state(amp_state);
+    amp.apply_checked_state(amp_state);
     Ok(())
 }

@@ -1,7 +1,10 @@
-//! The crate's one error type.
+//! The crate's one error type, at the bottom of the module graph: it depends on nothing of
+//! tch-amp but the [`OptLevel`] enum (a leaf).
+use std::path::PathBuf;
+
 use tch::{Kind, TchError};
 
-use crate::opt_level::OptLevel;
+use crate::config::OptLevel;
 
 /// Everything that can go wrong in tch-amp. Messages say what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -25,7 +28,9 @@ pub enum AmpError {
         message: String,
     },
     /// An opt level name that is not O0, O1, O2 or O3.
-    #[error("unknown opt level {name:?}: expected \"O0\", \"O1\", \"O2\" or \"O3\" (the letter O, not the number zero)")]
+    #[error(
+        "unknown opt level {name:?}: expected \"O0\", \"O1\", \"O2\" or \"O3\" (the letter O, not the number zero)"
+    )]
     UnknownOptLevel {
         /// What was given.
         name: String,
@@ -66,6 +71,47 @@ pub enum AmpError {
         /// How many losses (and scalers) there are.
         num_losses: usize,
     },
+    /// An optimizer made by another [`crate::Amp`] was given to `scale_loss`.
+    #[error(
+        "an optimizer given to scale_loss was made by another Amp (id {optimizer_amp}), not this one (id {amp}); \
+         make the optimizer with this Amp's optimizer()/optimizer_for()"
+    )]
+    ForeignOptimizer {
+        /// The id of the `Amp` that made the optimizer.
+        optimizer_amp: u64,
+        /// The id of the `Amp` whose `scale_loss` was called.
+        amp: u64,
+    },
+    /// The same optimizer was given twice to one `scale_loss` call.
+    #[error("the same optimizer was given twice to scale_loss; pass each optimizer once")]
+    DuplicateOptimizer,
+    /// `step()` was called while the gradients still hold a scaled, not yet unscaled,
+    /// contribution (the last `scale_loss` used `delay_unscale`).
+    #[error(
+        "step() called while the gradients are still scaled: the last scale_loss used delay_unscale; \
+         run a scale_loss without delay_unscale before stepping"
+    )]
+    GradientsStillScaled,
+    /// No trainable variable of the `VarStore` lies under the path prefixes given.
+    #[error("no variable of the VarStore lies under {prefixes:?} (prefixes are compared by whole path segments)")]
+    NoVariablesUnder {
+        /// The prefixes given.
+        prefixes: Vec<String>,
+    },
+    /// A lock inside tch (the `VarStore`'s) was poisoned by a panic in another thread.
+    #[error("{what}'s lock is poisoned: another thread panicked while holding it")]
+    PoisonedLock {
+        /// What the lock protects.
+        what: &'static str,
+    },
+    /// More tensors than the shim's C `int` counts can carry in one call.
+    #[error("too many tensors ({count}) for one {what} call")]
+    TooManyTensors {
+        /// How many were given.
+        count: usize,
+        /// The operation.
+        what: &'static str,
+    },
     /// A tensor of an unexpected dtype.
     #[error("{name} has dtype {found:?}, expected {expected}")]
     DtypeMismatch {
@@ -82,11 +128,21 @@ pub enum AmpError {
         /// What differs.
         message: String,
     },
-    /// Reading or writing a file failed.
+    /// Reading a file failed.
     #[error("I/O error on {path}: {source}")]
     Io {
         /// The file.
-        path: std::path::PathBuf,
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing a checkpoint failed; any previous file at `path` is intact and no temporary
+    /// file is left behind.
+    #[error("cannot write the checkpoint {path}: {source}; any previous file there is intact")]
+    Save {
+        /// The checkpoint's path.
+        path: PathBuf,
         /// The cause.
         #[source]
         source: std::io::Error,
@@ -103,7 +159,7 @@ pub enum AmpError {
     #[error(
         "{op} is banned under O1 on fp16/bf16 inputs (its log saturates where a low-precision sigmoid \
          rounds to 0 or 1): pass the logits to binary_cross_entropy_with_logits (BCEWithLogitsLoss) \
-         instead, or set O1Settings::allow_banned to run {op} in fp32"
+         instead, or set AmpConfig::allow_banned to run {op} in fp32"
     )]
     BannedOp {
         /// The aten op (`"binary_cross_entropy"`).
@@ -121,9 +177,6 @@ pub enum AmpError {
         /// The tensor's dtype.
         dtype: Kind,
     },
-    /// Something the caller must do first (or must not do twice).
-    #[error("{0}")]
-    Usage(String),
 }
 
 /// `Result` with [`AmpError`].
@@ -137,5 +190,16 @@ pub(crate) trait TorchContext<T> {
 impl<T> TorchContext<T> for std::result::Result<T, TchError> {
     fn ctx(self, context: &'static str) -> Result<T> {
         self.map_err(|source| AmpError::Torch { context, source })
+    }
+}
+
+/// [`AmpError::StateMismatch`] with `message`.
+pub(crate) fn mismatch(message: impl Into<String>) -> AmpError {
+    AmpError::StateMismatch { message: message.into() }
+}
+
+impl From<crate::config::ParseOptLevelError> for AmpError {
+    fn from(e: crate::config::ParseOptLevelError) -> Self {
+        AmpError::UnknownOptLevel { name: e.name().to_string() }
     }
 }

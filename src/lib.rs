@@ -51,56 +51,65 @@
 //! # }
 //! ```
 //!
+//! ## The public API, by concept
+//! Each item has one path.
+//! - **Configuration** (`src/config/`): [`AmpConfig`], [`OptLevel`] (and
+//!   [`ParseOptLevelError`]), [`LevelDefaults`] (a row of Apex's table, from `opt_levels/`),
+//!   [`LossScale`], [`Properties`] (the resolved options), [`CastSettings`] (the cast engine's
+//!   switches).
+//! - **Set-up** (`src/amp.rs`, `src/model.rs`): [`initialize`], [`Amp`], [`AmpModel`],
+//!   [`CastReport`].
+//! - **Loss scaling** (`src/scaling/`): [`Amp::scale_loss`] with [`ScaleLossOptions`] and
+//!   [`ScaleLossOutcome`], [`LossScaler`] (with [`ScaleChange`], [`ScaleChangeReason`]),
+//!   [`ScalerState`] and [`AmpState`] (`amp.state_dict()`), [`unscale_`].
+//! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`], [`StepOutcome`],
+//!   [`MemoryReport`], [`OptimizerRecord`] and [`ParamRecord`] (what an optimizer saves).
+//! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`].
+//! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
+//!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
+//!   set-ups in the module [`cast`].
+//! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
+//!
+//! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
+//!
 //! ## Where tch-amp differs from Apex, and why
 //! - Resume is bit-exact: checkpoints hold the fp32 masters and the optimizer state (Apex
 //!   rebuilds masters from the fp16 model, losing bits).
-//! - The dynamic scale has a floor ([`DEFAULT_MIN_LOSS_SCALE`], 2^-24) when `min_loss_scale` is
-//!   not given (Apex's could decay to denormals).
+//! - The dynamic scale has a floor ([`LossScaler::DEFAULT_MIN_LOSS_SCALE`], 2^-24) when
+//!   `min_loss_scale` is not given (Apex's could decay to denormals).
 //! - `step()` returns [`StepOutcome`]; `clip_grad_norm` returns the norm, computed in fp32.
 //! - Loading a state or checkpoint validates everything first and applies nothing on error.
-//! - The optimizers are tch-amp's own implementations of PyTorch's update rules (tch's
-//!   libtorch optimizers expose no state to checkpoint).
+//! - The update rules run in tch-amp on tch tensors, as PyTorch computes them (tch's libtorch
+//!   optimizers expose no state to checkpoint); Adam and AdamW use libtorch's fused kernel.
 //! - Everything runs on CPU too (Apex rejects CPU tensors).
 #![deny(missing_docs)]
 
 mod amp;
-mod amp_optimizer;
-mod amp_state;
-mod aten;
-mod autocast;
-mod cast_model;
+pub mod cast;
 mod checkpoint;
 mod config;
+#[doc(hidden)]
+pub mod diagnostics;
 mod dtype;
 mod error;
-mod ffi;
-mod grads;
-mod master_weights;
 mod model;
-mod opt_level;
 mod optim;
-mod properties;
-mod scaler;
-pub mod o1;
+mod scaling;
+mod sys;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
-pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
-pub use amp_state::AmpState;
-pub use aten::check_aten_op;
-pub use autocast::{autocast, autocast_state, clear_autocast_cache, AutocastGuard, AutocastState};
-pub use cast_model::CastReport;
+pub use cast::disable::{disable_casts, without_casts};
+pub use cast::policy::CastPolicy;
+pub use cast::settings::CastSettings;
+pub use cast::DisableCastsGuard;
 pub use checkpoint::{load_checkpoint, save_checkpoint};
-pub use config::{AmpConfig, DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE};
+pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};
 pub use error::{AmpError, Result};
-pub use grads::unscale_;
-pub use model::AmpModel;
-pub use opt_level::{LevelDefaults, OptLevel};
-pub use optim::OptimizerConfig;
-pub use properties::{LossScale, Properties};
-pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState, GROWTH_INTERVAL, INITIAL_DYNAMIC_SCALE};
+pub use model::{AmpModel, CastReport};
+pub use optim::{unscale_, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome};
+pub use scaling::{AmpState, LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
 
-pub use o1::{
-    aten_overloads, cast_cache_len, classify_torch_error, clear_cast_cache, disable_casts, emulated_ops,
-    install_policy, libtorch_autocast_ops, policy_active, policy_installed, without_casts, ActivePolicyGuard, Cast,
-    CastLists, CastPolicy, DisableCastsGuard, O1Settings, PolicyHandle, UserCasts,
-};
+/// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

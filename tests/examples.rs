@@ -159,7 +159,12 @@ fn step_log_writes_json_lines() {
 fn plot_writes_a_png_with_and_without_text() {
     let dir = TempDir::new().unwrap();
     let series = vec![
-        common::plot::Series { name: "O0".into(), losses: vec![2.3, 1.5, 1.0, f64::NAN], scales: vec![1.0; 4], color: 0 },
+        common::plot::Series {
+            name: "O0".into(),
+            losses: vec![2.3, 1.5, 1.0, f64::NAN],
+            scales: vec![1.0; 4],
+            color: 0,
+        },
         common::plot::Series {
             name: "O2".into(),
             losses: vec![2.3, 1.6, 1.1, 0.9],
@@ -194,9 +199,14 @@ fn memory_count_sees_masters_under_o2() {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let cfg = common::model::ResNetConfig { in_channels: 1, num_classes: 10, width: 4, stages: 1, pool: 1 };
         let net = common::model::SmallResNet::new(&vs.root(), cfg);
-        let (model, mut opt, mut amp) =
-            initialize(&vs, net, nn::Sgd { momentum: 0.9, ..Default::default() }, 0.1, &AmpConfig::new(level).verbosity(0))
-                .unwrap();
+        let (model, mut opt, mut amp) = initialize(
+            &vs,
+            net,
+            nn::Sgd { momentum: 0.9, ..Default::default() },
+            0.1,
+            &AmpConfig::new(level).verbosity(0),
+        )
+        .unwrap();
         let x = tch::Tensor::randn([4, 1, 28, 28], (tch::Kind::Float, tch::Device::Cpu));
         let y = tch::Tensor::from_slice(&[0i64, 1, 2, 3]);
         // One step allocates the optimizer state; measure at the second step.
@@ -333,8 +343,22 @@ fn fashion_mnist_compares_the_levels_asked_for() {
     let stdout = run_ok(
         "fashion_mnist",
         &[
-            "--data", s(data.path()), "--levels", "O0,O2", "--train-size", "256", "--epochs", "1",
-            "--batch-size", "64", "--width", "4", "--out", s(out.path()), "--log", s(&log),
+            "--data",
+            s(data.path()),
+            "--levels",
+            "O0,O2",
+            "--train-size",
+            "256",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "64",
+            "--width",
+            "4",
+            "--out",
+            s(out.path()),
+            "--log",
+            s(&log),
         ],
     );
     let lines = read_log(&log);
@@ -345,7 +369,8 @@ fn fashion_mnist_compares_the_levels_asked_for() {
     let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ")).collect();
     assert_eq!(rows.len(), 2, "{stdout}");
     assert!(rows[0].contains("1.00x"), "{stdout}");
-    let record: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
+    let record: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
     let results = record["results"].as_array().unwrap();
     let names: Vec<&str> = results.iter().map(|r| r["level"].as_str().unwrap()).collect();
     assert_eq!(names, ["O0", "O2"]);
@@ -382,8 +407,22 @@ fn imagenet_resume_continues_exactly() {
     let dir = TempDir::new().unwrap();
     let go = |extra: &[&str], ck: &Path| -> String {
         let mut args = vec![
-            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "192", "--test-size", "64", "-b", "64",
-            "--width", "4", "--stages", "2", "--checkpoint-dir", s(ck),
+            "--data",
+            s(data.path()),
+            "--opt-level",
+            "O2",
+            "--train-size",
+            "192",
+            "--test-size",
+            "64",
+            "-b",
+            "64",
+            "--width",
+            "4",
+            "--stages",
+            "2",
+            "--checkpoint-dir",
+            s(ck),
         ];
         args.extend_from_slice(extra);
         run_ok("imagenet", &args)
@@ -422,8 +461,26 @@ fn dcgan_three_losses_two_optimizers() {
     run_ok(
         "dcgan",
         &[
-            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "128", "-b", "32", "--nz", "8", "--ngf", "4",
-            "--ndf", "4", "--niter", "1", "--outf", s(dir.path()), "--log", s(&log),
+            "--data",
+            s(data.path()),
+            "--opt-level",
+            "O2",
+            "--train-size",
+            "128",
+            "-b",
+            "32",
+            "--nz",
+            "8",
+            "--ngf",
+            "4",
+            "--ndf",
+            "4",
+            "--niter",
+            "1",
+            "--outf",
+            s(dir.path()),
+            "--log",
+            s(&log),
         ],
     );
     let lines = read_log(&log);
@@ -448,8 +505,22 @@ fn grad_accumulation_steps_once_per_accumulated_batch() {
     let out = run_ok(
         "grad_accumulation",
         &[
-            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "256", "--test-size", "64", "-b", "16",
-            "--accum-steps", "4", "--width", "4", "--log", s(&log),
+            "--data",
+            s(data.path()),
+            "--opt-level",
+            "O2",
+            "--train-size",
+            "256",
+            "--test-size",
+            "64",
+            "-b",
+            "16",
+            "--accum-steps",
+            "4",
+            "--width",
+            "4",
+            "--log",
+            s(&log),
         ],
     );
     let lines = read_log(&log);
@@ -466,8 +537,22 @@ fn clip_masters_logs_the_gradient_norm() {
     run_ok(
         "clip_masters",
         &[
-            "--data", s(data.path()), "--opt-level", "O2", "--train-size", "256", "--test-size", "64", "-b", "64",
-            "--width", "4", "--max-grad-norm", "0.5", "--log", s(&log),
+            "--data",
+            s(data.path()),
+            "--opt-level",
+            "O2",
+            "--train-size",
+            "256",
+            "--test-size",
+            "64",
+            "-b",
+            "64",
+            "--width",
+            "4",
+            "--max-grad-norm",
+            "0.5",
+            "--log",
+            s(&log),
         ],
     );
     let lines = read_log(&log);

@@ -95,10 +95,8 @@ pub fn read_idx(path: &Path, ndims: u8) -> Result<Idx, DataError> {
             format!("truncated header: {} bytes, expected {header} (magic and {ndims} dimension sizes)", bytes.len()),
         ));
     }
-    let dims: Vec<usize> = bytes[4..header]
-        .chunks_exact(4)
-        .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize)
-        .collect();
+    let dims: Vec<usize> =
+        bytes[4..header].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
     let expected = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
     let Some(expected) = expected else {
         return Err(err(path, format!("dimensions {dims:?} are too large")));
@@ -308,7 +306,14 @@ pub fn write_idx(path: &Path, dims: &[usize], data: &[u8], gzip: bool) -> std::i
 ///
 /// # Errors
 /// I/O errors.
-pub fn write_synthetic(dir: &Path, train: usize, test: usize, classes: u8, size: usize, seed: u64) -> std::io::Result<()> {
+pub fn write_synthetic(
+    dir: &Path,
+    train: usize,
+    test: usize,
+    classes: u8,
+    size: usize,
+    seed: u64,
+) -> std::io::Result<()> {
     let mut rng = super::train::SplitMix64::new(seed);
     let mut make = |n: usize| {
         let mut images = vec![0u8; n * size * size];

@@ -51,7 +51,8 @@ impl StepLog {
     pub fn create(path: Option<&Path>) -> Result<Self> {
         let Some(path) = path else { return Ok(Self { out: None }) };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create the log's folder", dir.display()))?;
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("{}: cannot create the log's folder", dir.display()))?;
         }
         let f = File::create(path).with_context(|| format!("{}: cannot create the log file", path.display()))?;
         Ok(Self { out: Some((path.to_path_buf(), BufWriter::new(f))) })

@@ -44,8 +44,8 @@ struct BasicBlock {
 
 impl BasicBlock {
     fn new(p: &nn::Path, cin: i64, cout: i64, stride: i64) -> Self {
-        let shortcut =
-            (stride != 1 || cin != cout).then(|| (conv(p / "shortcut", cin, cout, 1, stride), bn(p / "shortcut_bn", cout)));
+        let shortcut = (stride != 1 || cin != cout)
+            .then(|| (conv(p / "shortcut", cin, cout, 1, stride), bn(p / "shortcut_bn", cout)));
         Self {
             conv1: conv(p / "conv1", cin, cout, 3, stride),
             bn1: bn(p / "bn1", cout),

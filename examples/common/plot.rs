@@ -40,8 +40,14 @@ pub fn register_font() -> bool {
     })
 }
 
-const COLORS: [RGBColor; 6] =
-    [RGBColor(0, 0, 0), RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14)];
+const COLORS: [RGBColor; 6] = [
+    RGBColor(0, 0, 0),
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+];
 
 /// Line width of the `i`-th of `n` loss-scale series: earlier series are drawn wider, so that
 /// a later one lying on top of it (O2's scale on O1's, O3's on O0's) leaves it visible as a
@@ -162,8 +168,13 @@ fn draw(path: &Path, title: &str, series: &[Series], text: bool) -> Result<(), B
     }
     for (i, s) in series.iter().enumerate() {
         let c = COLORS[s.color % COLORS.len()].stroke_width(width(i, series.len()));
-        let pts: Vec<(f64, f64)> =
-            s.scales.iter().enumerate().filter(|(_, v)| v.is_finite() && **v > 0.0).map(|(i, v)| (i as f64, *v)).collect();
+        let pts: Vec<(f64, f64)> = s
+            .scales
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_finite() && **v > 0.0)
+            .map(|(i, v)| (i as f64, *v))
+            .collect();
         let drawn = chart.draw_series(LineSeries::new(pts, c))?;
         if text {
             drawn.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));

@@ -1,7 +1,9 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers of the integration test binaries (tests/amp, tests/o1, tests/cuda).
 #![allow(dead_code)]
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
+use tch_amp::cast::{install_policy, ActivePolicyGuard, PolicyHandle};
+use tch_amp::{CastPolicy, CastSettings};
 
 /// Element-wise exact equality (same shape, same dtype, same bits for finite values).
 pub fn same(a: &Tensor, b: &Tensor) -> bool {
@@ -58,4 +60,29 @@ pub fn deterministic_init(vs: &nn::VarStore) {
             v.shallow_clone().copy_(&vals);
         }
     }
+}
+
+/// Apex's O1 policy, installed with the default settings.
+pub fn apex() -> PolicyHandle {
+    install_policy(CastPolicy::apex(), CastSettings::default()).unwrap()
+}
+
+pub fn apex_with(settings: CastSettings) -> PolicyHandle {
+    install_policy(CastPolicy::apex(), settings).unwrap()
+}
+
+pub fn on_cpu(handle: &PolicyHandle) -> ActivePolicyGuard {
+    handle.activate(Device::Cpu).unwrap()
+}
+
+pub fn randn(shape: &[i64], kind: Kind) -> Tensor {
+    Tensor::randn(shape, (Kind::Float, Device::Cpu)).to_kind(kind)
+}
+
+pub fn leaf(shape: &[i64], kind: Kind) -> Tensor {
+    randn(shape, kind).set_requires_grad(true)
+}
+
+pub fn to_vec(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
 }

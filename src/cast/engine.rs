@@ -1,0 +1,205 @@
+//! Installing a [`CastPolicy`] in libtorch's dispatcher and activating it on a thread.
+//!
+//! tch-amp's cast kernels sit at the AutocastCPU and AutocastCUDA dispatch keys. They are
+//! registered once per process, by the first install, and stay registered: libtorch does not
+//! synchronise changes of its dispatch tables with ops running on other threads, so tch-amp
+//! changes them as rarely as it can (the first install registers every op of the standard
+//! lists; only a user cast naming an op outside them registers more). Installing a policy
+//! after that only builds it; activating it makes it the calling thread's policy and turns
+//! libtorch's autocast on for one device type, which is what routes that thread's ops through
+//! the kernels. Threads without an active policy keep libtorch's own behaviour, exactly.
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use once_cell::sync::OnceCell;
+use tch::{Device, Kind};
+
+use super::autocast::AutocastGuard;
+use super::emulation::emulated_ops;
+use super::policy::CastPolicy;
+use super::settings::CastSettings;
+use crate::error::{AmpError, Result};
+use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr, SavedPolicy};
+
+/// One installed policy; dropping the last reference releases it.
+#[derive(Debug)]
+struct Installed {
+    ptr: PolicyPtr,
+    policy: CastPolicy,
+    settings: CastSettings,
+}
+
+/// An installed cast policy. Clones share it; it is released when the last clone and the last
+/// [`ActivePolicyGuard`] are gone (tch-amp's kernels stay registered).
+#[must_use = "the policy is released as soon as the handle is dropped"]
+#[derive(Debug, Clone)]
+pub struct PolicyHandle {
+    inner: Arc<Installed>,
+}
+
+/// Every op of the standard lists (Apex's and libtorch's for CPU and CUDA, and the CPU
+/// emulation list), registered at the first install so that later installs register nothing.
+fn standard_ops() -> Result<Vec<(Device, String)>> {
+    let mut ops = Vec::new();
+    for policy in [CastPolicy::apex(), CastPolicy::torch_native()] {
+        for device in [Device::Cpu, Device::Cuda(0)] {
+            ops.extend(policy.resolve(device)?.into_keys().map(|op| (device, op)));
+        }
+    }
+    ops.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, op)));
+    Ok(ops)
+}
+
+/// Set once the standard ops are registered.
+static STANDARD_REGISTERED: OnceCell<()> = OnceCell::new();
+
+/// Installs `policy` with `settings` and returns its handle; the policy acts on a thread once
+/// activated there ([`PolicyHandle::activate`]).
+///
+/// Several policies may be installed at once (one per model, one per thread...). The first
+/// install in a process registers tch-amp's kernels for good; do it before starting threads
+/// that run libtorch autocast concurrently, and keep user casts of ops outside the standard
+/// lists (which register more) to start-up as well.
+///
+/// ```
+/// # fn main() -> Result<(), tch_amp::AmpError> {
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+/// use tch_amp::cast::install_policy;
+/// use tch_amp::{CastPolicy, CastSettings};
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let linear = nn::linear(vs.root(), 4, 4, Default::default());
+/// let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+/// let handle = install_policy(CastPolicy::apex(), CastSettings::default())?;
+/// {
+///     let _active = handle.activate(Device::Cpu)?;
+///     let y = linear.forward(&x);
+///     assert_eq!(y.kind(), Kind::Half); // linear is on Apex's fp16 list
+///     assert_eq!(y.softmax(-1, None).kind(), Kind::Float); // softmax on its fp32 list
+/// }
+/// assert_eq!(linear.forward(&x).kind(), Kind::Float); // inactive: plain libtorch
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// [`AmpError::InvalidOption`] when `settings.low_precision_dtype` is not `Half` or
+/// `BFloat16`; [`AmpError::UnknownOp`] / [`AmpError::Parse`] when the policy does not resolve
+/// (see [`CastPolicy::resolve`]); [`AmpError::Shim`] when libtorch refuses a registration
+/// (nothing is registered then).
+pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<PolicyHandle> {
+    if !matches!(settings.low_precision_dtype, Kind::Half | Kind::BFloat16) {
+        return Err(AmpError::InvalidOption {
+            option: "low_precision_dtype",
+            value: format!("{:?}", settings.low_precision_dtype),
+            expected: "Kind::Half or Kind::BFloat16",
+        });
+    }
+    let mut owned: Vec<(Device, EngineCategory, String)> = Vec::new();
+    for device in [Device::Cpu, Device::Cuda(0)] {
+        owned.extend(policy.resolve(device)?.into_iter().map(|(op, cast)| (device, cast.engine_category(), op)));
+    }
+    if settings.emulate_low_precision_on_cpu {
+        owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
+    }
+    let first = STANDARD_REGISTERED.get().is_none();
+    if first {
+        owned.extend(standard_ops()?.into_iter().map(|(device, op)| (device, EngineCategory::Passthrough, op)));
+    }
+    let entries: Vec<PolicyEntry<'_>> = owned.iter().map(|(d, c, op)| (*d, *c, op.as_str())).collect();
+    let ptr = engine::install(&entries, settings.allow_banned)?;
+    if first {
+        let _ = STANDARD_REGISTERED.set(());
+    }
+    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings }) })
+}
+
+impl PolicyHandle {
+    /// Makes this policy the calling thread's policy for `device`'s type (CPU or CUDA) until the
+    /// guard is dropped: libtorch's autocast is turned on for that device type with
+    /// [`CastSettings::low_precision_dtype`], and tch-amp's kernels cast every op by the
+    /// policy's lists. Dropping the guard restores the previous policy and autocast state, also
+    /// during a panic; when it leaves the thread with no policy it also empties the thread's
+    /// weight-cast cache.
+    ///
+    /// A backward pass run while the guard is alive is not cast (as under Apex, whose casts
+    /// never reached backward): its ops run in the dtypes the forward's casts gave them.
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a device other than CPU/CUDA; [`AmpError::Shim`] when
+    /// libtorch refuses.
+    pub fn activate(&self, device: Device) -> Result<ActivePolicyGuard> {
+        let autocast = AutocastGuard::new(device, true, self.inner.settings.low_precision_dtype)?;
+        let saved = engine::activate(Some(&self.inner.ptr))?;
+        Ok(ActivePolicyGuard {
+            saved: Some(saved),
+            _autocast: autocast,
+            _installed: Arc::clone(&self.inner),
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Runs `f` with this policy active on the calling thread for `device`'s type (see
+    /// [`PolicyHandle::activate`]); restored afterwards, also when `f` panics.
+    ///
+    /// # Errors
+    /// As [`PolicyHandle::activate`].
+    pub fn run<T>(&self, device: Device, f: impl FnOnce() -> T) -> Result<T> {
+        let _active = self.activate(device)?;
+        Ok(f())
+    }
+
+    /// The installed policy.
+    pub fn policy(&self) -> &CastPolicy {
+        &self.inner.policy
+    }
+
+    /// The settings it was installed with.
+    pub fn settings(&self) -> CastSettings {
+        self.inner.settings
+    }
+}
+
+/// A policy active on the current thread (see [`PolicyHandle::activate`]). Not `Send`:
+/// activation is per thread, like libtorch's autocast state.
+#[must_use = "the policy is deactivated as soon as the guard is dropped"]
+#[derive(Debug)]
+pub struct ActivePolicyGuard {
+    saved: Option<SavedPolicy>,
+    // Dropped after `saved` is restored (in `drop`): restores libtorch's autocast state.
+    _autocast: AutocastGuard,
+    _installed: Arc<Installed>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for ActivePolicyGuard {
+    fn drop(&mut self) {
+        if let Some(saved) = self.saved.take() {
+            if saved.restore().unwrap_or(false) {
+                let _ = super::cache::clear_cast_cache();
+            }
+        }
+    }
+}
+
+/// Whether tch-amp's kernels are registered in this process (they stay once they are).
+pub(crate) fn kernels_registered() -> bool {
+    engine::kernels_registered().unwrap_or(false)
+}
+
+/// Whether the calling thread has a tch-amp policy active.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the engine cannot be queried.
+pub(crate) fn policy_active() -> Result<bool> {
+    engine::policy_active()
+}
+
+/// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured
+/// before tch-amp's kernels), as `"name"` or `"name.overload"`, sorted.
+/// `opt_levels/o1_torch.toml` is these lists, by category.
+///
+/// # Errors
+/// [`AmpError::InvalidOption`] for a device other than CPU/CUDA.
+pub(crate) fn libtorch_autocast_ops(device: Device) -> Result<Vec<String>> {
+    engine::libtorch_autocast_ops(device)
+}

@@ -1,0 +1,212 @@
+//! The builder for `initialize`'s options: an opt level plus Apex's keyword overrides.
+//! [`AmpConfig::build`] (in `rules.rs`) checks Apex's rules and resolves [`super::Properties`].
+use tch::Kind;
+
+use super::table::parse_dtype;
+use super::{LossScale, OptLevel};
+use crate::cast::CastPolicy;
+use crate::error::{AmpError, Result};
+
+/// `initialize`'s options: an opt level and Apex's overrides. A field left unset means "the
+/// opt level's value". [`AmpConfig::build`] checks Apex's rules and returns [`Properties`](super::Properties).
+///
+/// ```
+/// # fn main() -> Result<(), tch_amp::AmpError> {
+/// use tch_amp::{AmpConfig, LossScale, OptLevel};
+/// let props = AmpConfig::new(OptLevel::O2).loss_scale(128.0).build()?;
+/// assert_eq!(props.loss_scale(), LossScale::Static(128.0));
+/// assert!(props.master_weights() && props.keep_batchnorm_fp32());
+/// // Apex rejects master_weights under O1, and so do we.
+/// assert!(AmpConfig::new(OptLevel::O1).master_weights(true).build().is_err());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AmpConfig {
+    pub(super) opt_level: Option<OptLevel>,
+    pub(super) enabled: Option<bool>,
+    pub(super) cast_model_type: Option<Option<Kind>>,
+    pub(super) patch_torch_functions: Option<bool>,
+    pub(super) keep_batchnorm_fp32: Option<bool>,
+    pub(super) master_weights: Option<bool>,
+    pub(super) loss_scale: Option<LossScale>,
+    pub(super) cast_model_outputs: Option<Kind>,
+    pub(super) num_losses: Option<usize>,
+    pub(super) min_loss_scale: Option<f64>,
+    pub(super) max_loss_scale: Option<f64>,
+    pub(super) verbosity: Option<u8>,
+    pub(super) low_precision_dtype: Option<Kind>,
+    pub(super) allow_banned: Option<bool>,
+    pub(super) emulate_low_precision_on_cpu: Option<bool>,
+    pub(super) cast_policy: Option<CastPolicy>,
+}
+
+impl AmpConfig {
+    /// Options of `opt_level`, nothing overridden.
+    pub fn new(opt_level: OptLevel) -> Self {
+        Self { opt_level: Some(opt_level), ..Self::default() }
+    }
+
+    /// Options from Apex-style strings: `AmpConfig::from_apex("O2", &[("loss_scale", "128.0"),
+    /// ("keep_batchnorm_fp32", "True")])`. Values are parsed as Apex's `initialize` parses its
+    /// keyword arguments (`"True"`/`"False"`/`"None"`, `"dynamic"`, `"torch.float16"`, ...).
+    ///
+    /// # Errors
+    /// [`AmpError::UnknownOptLevel`] (it is the letter O), [`AmpError::InvalidOption`] for a
+    /// value that does not parse or an unknown option name.
+    pub fn from_apex(opt_level: &str, overrides: &[(&str, &str)]) -> Result<Self> {
+        let mut cfg = Self::new(opt_level.parse()?);
+        for &(name, value) in overrides {
+            cfg = cfg.set_apex_option(name, value)?;
+        }
+        Ok(cfg)
+    }
+
+    fn set_apex_option(mut self, name: &str, value: &str) -> Result<Self> {
+        let v = value.trim();
+        let bool_opt = |option: &'static str| -> Result<Option<bool>> {
+            match v {
+                "True" | "true" => Ok(Some(true)),
+                "False" | "false" => Ok(Some(false)),
+                "None" | "none" => Ok(None),
+                _ => Err(AmpError::InvalidOption {
+                    option,
+                    value: value.to_string(),
+                    expected: "a boolean, the string 'True' or 'False', or None",
+                }),
+            }
+        };
+        let number = |option: &'static str| -> Result<f64> {
+            v.parse::<f64>().map_err(|_| AmpError::InvalidOption {
+                option,
+                value: value.to_string(),
+                expected: "a number",
+            })
+        };
+        match name {
+            "enabled" => self.enabled = bool_opt("enabled")?,
+            "cast_model_type" => {
+                self.cast_model_type = match v {
+                    "None" | "none" => None,
+                    "False" | "false" => Some(None),
+                    _ => Some(Some(parse_dtype("cast_model_type", v)?)),
+                }
+            }
+            "patch_torch_functions" => self.patch_torch_functions = bool_opt("patch_torch_functions")?,
+            "keep_batchnorm_fp32" => self.keep_batchnorm_fp32 = bool_opt("keep_batchnorm_fp32")?,
+            "master_weights" => self.master_weights = bool_opt("master_weights")?,
+            "loss_scale" => self.loss_scale = if v == "None" { None } else { Some(v.parse()?) },
+            "cast_model_outputs" => {
+                self.cast_model_outputs = if v == "None" { None } else { Some(parse_dtype("cast_model_outputs", v)?) }
+            }
+            "num_losses" => {
+                self.num_losses = Some(v.parse().map_err(|_| AmpError::InvalidOption {
+                    option: "num_losses",
+                    value: value.to_string(),
+                    expected: "a positive integer",
+                })?)
+            }
+            "min_loss_scale" => self.min_loss_scale = if v == "None" { None } else { Some(number("min_loss_scale")?) },
+            "max_loss_scale" => self.max_loss_scale = Some(number("max_loss_scale")?),
+            "verbosity" => {
+                self.verbosity = Some(v.parse().map_err(|_| AmpError::InvalidOption {
+                    option: "verbosity",
+                    value: value.to_string(),
+                    expected: "0, 1 or 2",
+                })?)
+            }
+            _ => {
+                return Err(AmpError::InvalidOption {
+                    option: "option name",
+                    value: name.to_string(),
+                    expected: "one of Apex's initialize options: enabled, cast_model_type, patch_torch_functions, \
+                               keep_batchnorm_fp32, master_weights, loss_scale, cast_model_outputs, num_losses, \
+                               min_loss_scale, max_loss_scale, verbosity",
+                })
+            }
+        }
+        Ok(self)
+    }
+
+    /// `false`: tch-amp does nothing (models, optimizers and losses pass through unchanged).
+    pub fn enabled(mut self, enabled: bool) -> Self {
+        self.enabled = Some(enabled);
+        self
+    }
+    /// Dtype to cast the model to; `None` is Apex's `cast_model_type=False` (no cast).
+    pub fn cast_model_type(mut self, kind: Option<Kind>) -> Self {
+        self.cast_model_type = Some(kind);
+        self
+    }
+    /// Apex's `patch_torch_functions`: only valid (and already on) under O1.
+    pub fn patch_torch_functions(mut self, on: bool) -> Self {
+        self.patch_torch_functions = Some(on);
+        self
+    }
+    /// Keep batch-norm variables fp32 when the model is cast (not settable under O1).
+    pub fn keep_batchnorm_fp32(mut self, keep: bool) -> Self {
+        self.keep_batchnorm_fp32 = Some(keep);
+        self
+    }
+    /// Step fp32 master copies of fp16 weights (not settable under O1).
+    pub fn master_weights(mut self, on: bool) -> Self {
+        self.master_weights = Some(on);
+        self
+    }
+    /// Static (`128.0`) or [`LossScale::Dynamic`] loss scaling.
+    pub fn loss_scale(mut self, scale: impl Into<LossScale>) -> Self {
+        self.loss_scale = Some(scale.into());
+        self
+    }
+    /// Dtype of the model wrapper's floating outputs.
+    pub fn cast_model_outputs(mut self, kind: Kind) -> Self {
+        self.cast_model_outputs = Some(kind);
+        self
+    }
+    /// Number of losses; each gets its own loss scaler, picked by `loss_id`.
+    pub fn num_losses(mut self, n: usize) -> Self {
+        self.num_losses = Some(n);
+        self
+    }
+    /// Floor of the dynamic loss scale.
+    pub fn min_loss_scale(mut self, v: f64) -> Self {
+        self.min_loss_scale = Some(v);
+        self
+    }
+    /// Cap of the dynamic loss scale (default 2^24).
+    pub fn max_loss_scale(mut self, v: f64) -> Self {
+        self.max_loss_scale = Some(v);
+        self
+    }
+    /// 0 = silent, 1 = Apex's messages (default), 2 = also the resolved options at initialize.
+    pub fn verbosity(mut self, v: u8) -> Self {
+        self.verbosity = Some(v);
+        self
+    }
+    /// The O1 policy's low-precision dtype: `Kind::Half` (default) or `Kind::BFloat16`.
+    /// With bf16 and no explicit `loss_scale`, the loss scale defaults to static 1.0: bf16 has
+    /// fp32's exponent range and needs no scaling.
+    pub fn low_precision_dtype(mut self, kind: Kind) -> Self {
+        self.low_precision_dtype = Some(kind);
+        self
+    }
+    /// O1: run banned ops (binary_cross_entropy) in fp32 instead of failing
+    /// (Apex's `allow_banned`).
+    pub fn allow_banned(mut self, allow: bool) -> Self {
+        self.allow_banned = Some(allow);
+        self
+    }
+    /// Emulate fp16/bf16 GEMMs and convolutions on CPU (default on): compute in fp32 from the
+    /// rounded inputs and round the outputs. `false` uses libtorch's native half kernels.
+    pub fn emulate_low_precision_on_cpu(mut self, on: bool) -> Self {
+        self.emulate_low_precision_on_cpu = Some(on);
+        self
+    }
+
+    /// The O1 cast policy: [`CastPolicy::apex`] (default), [`CastPolicy::torch_native`], or one
+    /// with the user's casts (Apex's `register_half_function` and friends).
+    pub fn cast_policy(mut self, policy: CastPolicy) -> Self {
+        self.cast_policy = Some(policy);
+        self
+    }
+}

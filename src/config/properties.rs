@@ -1,0 +1,86 @@
+//! The resolved options of one `initialize`: an opt level's row with the user's overrides.
+use tch::Kind;
+
+use super::{LossScale, OptLevel};
+use crate::cast::{CastPolicy, CastSettings};
+
+/// Options in force after `initialize`: the opt level's defaults with overrides applied and
+/// Apex's rules checked. Built by [`crate::AmpConfig::build`]; read-only.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Properties {
+    pub(super) enabled: bool,
+    pub(super) opt_level: OptLevel,
+    pub(super) cast_model_type: Option<Kind>,
+    pub(super) patch_torch_functions: bool,
+    pub(super) keep_batchnorm_fp32: bool,
+    pub(super) master_weights: bool,
+    pub(super) loss_scale: LossScale,
+    pub(super) cast_model_outputs: Option<Kind>,
+    pub(super) num_losses: usize,
+    pub(super) min_loss_scale: Option<f64>,
+    pub(super) max_loss_scale: f64,
+    pub(super) verbosity: u8,
+    pub(super) cast_settings: CastSettings,
+    pub(super) cast_policy: CastPolicy,
+}
+
+impl Properties {
+    /// `false` makes tch-amp a pass-through (Apex's `enabled=False`).
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+    /// The opt level the defaults came from.
+    pub fn opt_level(&self) -> OptLevel {
+        self.opt_level
+    }
+    /// Dtype the model's floating variables are cast to; `None` leaves them alone.
+    pub fn cast_model_type(&self) -> Option<Kind> {
+        self.cast_model_type
+    }
+    /// Whether the per-op cast policy (O1) is installed.
+    pub fn patch_torch_functions(&self) -> bool {
+        self.patch_torch_functions
+    }
+    /// Whether batch-norm variables stay fp32 when the model is cast.
+    pub fn keep_batchnorm_fp32(&self) -> bool {
+        self.keep_batchnorm_fp32
+    }
+    /// Whether optimizers step fp32 master copies of the fp16 weights.
+    pub fn master_weights(&self) -> bool {
+        self.master_weights
+    }
+    /// Static or dynamic loss scaling.
+    pub fn loss_scale(&self) -> LossScale {
+        self.loss_scale
+    }
+    /// Dtype the model wrapper casts floating outputs to (default fp32 when the model is cast).
+    pub fn cast_model_outputs(&self) -> Option<Kind> {
+        self.cast_model_outputs
+    }
+    /// Number of losses, one loss scaler each.
+    pub fn num_losses(&self) -> usize {
+        self.num_losses
+    }
+    /// Floor of the dynamic scale as given (`None`: tch-amp's
+    /// [`crate::LossScaler::DEFAULT_MIN_LOSS_SCALE`]; Apex had none).
+    pub fn min_loss_scale(&self) -> Option<f64> {
+        self.min_loss_scale
+    }
+    /// Cap of the dynamic scale (Apex default 2^24).
+    pub fn max_loss_scale(&self) -> f64 {
+        self.max_loss_scale
+    }
+    /// 0 = silent, 1 = Apex's messages (overflow lines), 2 = also the resolved options.
+    pub fn verbosity(&self) -> u8 {
+        self.verbosity
+    }
+    /// The cast engine's switches: O1's low-precision dtype, `allow_banned`, and the CPU
+    /// emulation of fp16/bf16 GEMMs and convolutions (O1, O2 and O3).
+    pub fn cast_settings(&self) -> CastSettings {
+        self.cast_settings
+    }
+    /// The O1 cast policy (Apex's lists unless another was given).
+    pub fn cast_policy(&self) -> &CastPolicy {
+        &self.cast_policy
+    }
+}

@@ -1,0 +1,152 @@
+//! [`AmpConfig::build`]: Apex's rule checks (what `amp.initialize` rejects), then the
+//! resolution of the level's row and the overrides into [`Properties`].
+use tch::Kind;
+
+use super::{AmpConfig, LossScale, OptLevel, Properties};
+use crate::cast::{CastPolicy, CastSettings};
+use crate::error::{AmpError, Result};
+use crate::scaling::LossScaler;
+
+fn incompatible(level: OptLevel, option: &'static str, why: &'static str) -> AmpError {
+    AmpError::IncompatibleOption { level, option, why }
+}
+
+fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -> AmpError {
+    AmpError::InvalidOption { option, value: value.to_string(), expected }
+}
+
+fn positive(option: &'static str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "a finite positive number"))
+    }
+}
+
+impl AmpConfig {
+    /// The level given (O1 when none was, as Apex's default).
+    fn level(&self) -> OptLevel {
+        self.opt_level.unwrap_or(OptLevel::O1)
+    }
+
+    /// Applies the overrides to the level's defaults and checks Apex's rules.
+    ///
+    /// # Errors
+    /// [`AmpError::IncompatibleOption`] for what Apex rejects: `cast_model_type` other than
+    /// fp32/`None` under O1, `patch_torch_functions` outside O1, `keep_batchnorm_fp32` or
+    /// `master_weights` set under O1, and (tch-amp) a `cast_policy` outside O1;
+    /// [`AmpError::InvalidOption`] for a non-positive or non-finite loss scale, min above max,
+    /// `num_losses == 0`, or a low-precision dtype other than fp16/bf16.
+    pub fn build(&self) -> Result<Properties> {
+        self.check_apex_rules()?;
+        self.resolve()
+    }
+
+    /// The combinations Apex's `initialize` rejects at this level.
+    fn check_apex_rules(&self) -> Result<()> {
+        let level = self.level();
+        let o1 = level == OptLevel::O1;
+        if o1 && matches!(self.cast_model_type, Some(Some(k)) if k != Kind::Float) {
+            return Err(incompatible(
+                level,
+                "cast_model_type",
+                "O1 inserts casts around ops rather than casting the model weights, so the weights \
+                 stay fp32; use O2 or O3 to cast the model",
+            ));
+        }
+        if self.patch_torch_functions == Some(true) && !o1 {
+            return Err(incompatible(
+                level,
+                "patch_torch_functions",
+                "the per-op cast policy is only set by choosing opt level O1",
+            ));
+        }
+        if o1 && self.keep_batchnorm_fp32.is_some() {
+            return Err(incompatible(
+                level,
+                "keep_batchnorm_fp32",
+                "under O1 batch norm already runs in fp32 through the cast policy; leave it unset",
+            ));
+        }
+        if o1 && self.master_weights.is_some() {
+            return Err(incompatible(
+                level,
+                "master_weights",
+                "master weights make no sense under O1, whose model weights are fp32 already; leave it unset",
+            ));
+        }
+        if !o1 && self.cast_policy.is_some() {
+            return Err(incompatible(
+                level,
+                "cast_policy",
+                "a per-op cast policy only acts under O1 (Apex's register_*_function too); choose O1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The level's row with the overrides applied, each value range-checked.
+    fn resolve(&self) -> Result<Properties> {
+        let level = self.level();
+        let d = level.defaults()?;
+        let o1 = level == OptLevel::O1;
+        let low = self.low_precision_dtype.unwrap_or(Kind::Half);
+        if !matches!(low, Kind::Half | Kind::BFloat16) {
+            return Err(invalid("low_precision_dtype", format!("{low:?}"), "Kind::Half or Kind::BFloat16"));
+        }
+        let cast_model_type = self.cast_model_type.unwrap_or(d.cast_model_type);
+        if let Some(k) = cast_model_type {
+            if !matches!(k, Kind::Half | Kind::BFloat16 | Kind::Float) {
+                return Err(invalid(
+                    "cast_model_type",
+                    format!("{k:?}"),
+                    "Kind::Half, Kind::BFloat16, Kind::Float or None",
+                ));
+            }
+        }
+        // bf16 has fp32's exponent range: no loss scaling unless asked for.
+        let bf16 = if o1 { low == Kind::BFloat16 } else { cast_model_type == Some(Kind::BFloat16) };
+        let loss_scale = match self.loss_scale {
+            Some(s) => s.validated()?,
+            None if bf16 => LossScale::Static(1.0),
+            None => d.loss_scale,
+        };
+        let max_loss_scale =
+            positive("max_loss_scale", self.max_loss_scale.unwrap_or(LossScaler::DEFAULT_MAX_LOSS_SCALE))?;
+        if let Some(min) = self.min_loss_scale {
+            positive("min_loss_scale", min)?;
+            if min > max_loss_scale {
+                return Err(invalid("min_loss_scale", min, "a value not above max_loss_scale"));
+            }
+        }
+        let num_losses = self.num_losses.unwrap_or(1);
+        if num_losses == 0 {
+            return Err(invalid("num_losses", 0, "at least 1"));
+        }
+        if let Some(k) = self.cast_model_outputs {
+            if !matches!(k, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) {
+                return Err(invalid("cast_model_outputs", format!("{k:?}"), "a floating kind"));
+            }
+        }
+        Ok(Properties {
+            enabled: self.enabled.unwrap_or(true),
+            opt_level: level,
+            cast_model_type,
+            patch_torch_functions: self.patch_torch_functions.unwrap_or(d.patch_torch_functions),
+            keep_batchnorm_fp32: self.keep_batchnorm_fp32.or(d.keep_batchnorm_fp32).unwrap_or(false),
+            master_weights: self.master_weights.or(d.master_weights).unwrap_or(false),
+            loss_scale,
+            cast_model_outputs: self.cast_model_outputs,
+            num_losses,
+            min_loss_scale: self.min_loss_scale,
+            max_loss_scale,
+            verbosity: self.verbosity.unwrap_or(1),
+            cast_settings: CastSettings {
+                low_precision_dtype: low,
+                allow_banned: self.allow_banned.unwrap_or(false),
+                emulate_low_precision_on_cpu: self.emulate_low_precision_on_cpu.unwrap_or(true),
+            },
+            cast_policy: self.cast_policy.clone().unwrap_or_else(CastPolicy::apex),
+        })
+    }
+}

@@ -1,0 +1,521 @@
+//! The optimizer `initialize` returns: steps the fp32 masters (O2) or the model's own
+//! variables, skips a step after an overflow, clips on the master gradients.
+use std::collections::BTreeMap;
+
+use tch::{Device, Kind, Tensor};
+
+use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
+use super::params::{copy_masters_to_model, ParamEntry};
+use super::record::{OptimizerRecord, ParamRecord};
+use super::rules::{state_kind, Optimizer, OptimizerConfig};
+use crate::error::{mismatch, AmpError, Result, TorchContext};
+
+/// What [`AmpOptimizer::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutcome {
+    /// The parameters were updated.
+    Stepped,
+    /// The step was skipped because a loss that reached this optimizer overflowed; weights,
+    /// masters and optimizer state are untouched, and every gradient of the optimizer (model
+    /// and master) is cleared.
+    Skipped {
+        /// The loss whose scaler saw the overflow.
+        loss_id: usize,
+        /// That scaler's scale after reducing it.
+        loss_scale: f64,
+    },
+}
+
+impl StepOutcome {
+    /// True for [`StepOutcome::Stepped`].
+    pub fn stepped(&self) -> bool {
+        matches!(self, StepOutcome::Stepped)
+    }
+}
+
+/// Bytes held by the tensors an optimizer manages, as [`AmpOptimizer::memory`] counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Number of trainable parameters (elements).
+    pub params: usize,
+    /// The model's trainable variables.
+    pub weights: usize,
+    /// fp32 master copies (0 without master weights; self-mastered fp32 variables count once,
+    /// under `weights`).
+    pub masters: usize,
+    /// Gradients alive now (model and master).
+    pub grads: usize,
+    /// Optimizer state (moments, momentum buffers).
+    pub optimizer_state: usize,
+}
+
+impl MemoryReport {
+    /// Everything together.
+    pub fn total(&self) -> usize {
+        self.weights + self.masters + self.grads + self.optimizer_state
+    }
+    /// Bytes per trainable parameter.
+    pub fn bytes_per_param(&self) -> f64 {
+        self.total() as f64 / self.params.max(1) as f64
+    }
+}
+
+fn bytes(t: &Tensor) -> usize {
+    if t.defined() {
+        t.numel() * t.kind().elt_size_in_bytes()
+    } else {
+        0
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PendingSkip {
+    loss_id: usize,
+    loss_scale: f64,
+}
+
+/// How an [`crate::Amp`] sets up the optimizers it makes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OptimizerSetup {
+    /// The id of the `Amp` that made the optimizer (`scale_loss` refuses others' optimizers).
+    pub(crate) amp_id: u64,
+    /// Run the update with O1's casts off (Apex's optimizers ran outside the patched functions).
+    pub(crate) disable_casts_in_step: bool,
+    /// Apex's verbosity: 1 prints the overflow lines.
+    pub(crate) verbosity: u8,
+}
+
+/// An optimizer under AMP. Made by [`crate::Amp::optimizer`] or [`crate::initialize`].
+#[derive(Debug)]
+pub struct AmpOptimizer {
+    setup: OptimizerSetup,
+    inner: Optimizer,
+    entries: Vec<ParamEntry>,
+    /// Gradients of self-mastered parameters set aside at `scale_loss` entry (accumulation).
+    stash: Vec<Option<Tensor>>,
+    /// Grads hold a scaled, not yet unscaled, contribution (a `delay_unscale` pass).
+    scaled_pending: bool,
+    skip_next: Option<PendingSkip>,
+    steps: u64,
+    skipped: u64,
+}
+
+impl AmpOptimizer {
+    pub(crate) fn new(
+        setup: OptimizerSetup,
+        config: OptimizerConfig,
+        lr: f64,
+        entries: Vec<ParamEntry>,
+    ) -> Result<Self> {
+        let params = entries.iter().map(|e| e.update_target().shallow_clone()).collect();
+        let groups = entries.iter().map(ParamEntry::group).collect();
+        let inner = Optimizer::new(config, lr, params, groups)?;
+        let stash = entries.iter().map(|_| None).collect();
+        Ok(Self { setup, inner, entries, stash, scaled_pending: false, skip_next: None, steps: 0, skipped: 0 })
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    /// Sets the learning rate of every parameter group.
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.inner.set_lr(lr)
+    }
+
+    /// Sets the learning rate of one parameter group (variables created under
+    /// `vs.root().set_group(group)`), as torch's per-group `lr`.
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        self.inner.set_group_lr(group, lr)
+    }
+
+    /// The learning rate of `group`.
+    pub fn lr_group(&self, group: usize) -> f64 {
+        self.inner.group_lr(group)
+    }
+
+    /// The optimizer's configuration.
+    pub fn config(&self) -> OptimizerConfig {
+        self.inner.config()
+    }
+
+    /// Steps taken and steps skipped so far.
+    pub fn step_counts(&self) -> (u64, u64) {
+        (self.steps, self.skipped)
+    }
+
+    /// The parameters this optimizer updates: the fp32 masters for low-precision model
+    /// variables under master weights, the model's own variables otherwise (Apex's
+    /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
+    pub fn master_params(&self) -> Vec<Tensor> {
+        self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
+    }
+
+    /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
+    pub fn param_names(&self) -> Vec<&str> {
+        self.entries.iter().map(ParamEntry::name).collect()
+    }
+
+    /// Bytes held right now by the weights, masters, gradients and optimizer state.
+    pub fn memory(&self) -> MemoryReport {
+        let mut r = MemoryReport::default();
+        for (e, st) in self.entries.iter().zip(self.inner.states()) {
+            r.params += e.model().numel();
+            r.weights += bytes(e.model());
+            r.grads += bytes(&e.model().grad());
+            if let Some(m) = e.master() {
+                r.masters += bytes(m);
+                r.grads += bytes(&m.grad());
+            }
+            r.optimizer_state += st.buffers().values().map(bytes).sum::<usize>();
+        }
+        r
+    }
+
+    /// Whether the next [`Self::step`] will be skipped (an overflow was seen).
+    pub fn will_skip(&self) -> bool {
+        self.skip_next.is_some()
+    }
+
+    /// Sets every gradient (model and master) to None, freeing its memory, and forgets any
+    /// pending scaled contribution.
+    ///
+    /// # Errors
+    /// [`AmpError::Shim`] if libtorch refuses (not expected).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        for e in &self.entries {
+            clear_grad(e.model())?;
+            if let Some(m) = e.master() {
+                clear_grad(m)?;
+            }
+        }
+        self.stash.iter_mut().for_each(|s| *s = None);
+        self.scaled_pending = false;
+        Ok(())
+    }
+
+    /// Updates the parameters from their (unscaled) gradients, or skips the update when a
+    /// loss that reached this optimizer overflowed since the last step. With master weights
+    /// the fp16 model is then set to the masters rounded to fp16.
+    ///
+    /// # Errors
+    /// [`AmpError::GradientsStillScaled`] when the last `scale_loss` used `delay_unscale`;
+    /// [`AmpError::Torch`] if an update fails.
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        if let Some(skip) = self.skip_next.take() {
+            // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex clears
+            // only the masters of fp16 variables, so an fp32 variable's inf survives into the
+            // next pass when the caller accumulates without zero_grad.)
+            self.zero_grad()?;
+            self.skipped += 1;
+            if self.setup.verbosity >= 1 {
+                println!(
+                    "Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}",
+                    skip.loss_id, skip.loss_scale
+                );
+            }
+            return Ok(StepOutcome::Skipped { loss_id: skip.loss_id, loss_scale: skip.loss_scale });
+        }
+        if self.scaled_pending {
+            return Err(AmpError::GradientsStillScaled);
+        }
+        if self.setup.disable_casts_in_step {
+            crate::cast::disable::without_casts(|| self.inner.step())??;
+        } else {
+            self.inner.step()?;
+        }
+        copy_masters_to_model(&self.entries)?;
+        // As Apex: master grads are not reached by zeroing the model's grads, so they are
+        // released here (which also frees their memory until the next backward).
+        for m in self.entries.iter().filter_map(ParamEntry::master) {
+            clear_grad(m)?;
+        }
+        self.steps += 1;
+        Ok(StepOutcome::Stepped)
+    }
+
+    /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is
+    /// at most `max_norm`, and returns the total norm before clipping (PyTorch's
+    /// `clip_grad_norm_`, which Apex users call on `amp.master_params(optimizer)`).
+    /// Computed in fp32 even for fp16 gradients; parameters without a gradient are ignored (0
+    /// when none has one); a non-finite norm is returned and the gradients are left unscaled.
+    /// One host sync (reading the norm).
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that
+    /// is not positive.
+    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(AmpError::InvalidOption {
+                option: "max_norm",
+                value: max_norm.to_string(),
+                expected: "a finite number >= 0",
+            });
+        }
+        if norm_type.is_nan() || norm_type <= 0.0 {
+            return Err(AmpError::InvalidOption {
+                option: "norm_type",
+                value: norm_type.to_string(),
+                expected: "a positive number or f64::INFINITY",
+            });
+        }
+        let grads: Vec<Tensor> =
+            self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
+        if grads.is_empty() {
+            return Ok(0.0);
+        }
+        let total = total_norm(&grads, norm_type)?;
+        let _no_grad = tch::no_grad_guard();
+        let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0).ctx("clip coefficient")?;
+        let coef = coef.f_where_self(&total.f_isfinite().ctx("clip")?, &coef.ones_like()).ctx("clip")?;
+        for g in &grads {
+            let coef = coef.f_to_kind(g.kind()).ctx("clip")?;
+            let mut g = g.shallow_clone();
+            let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
+        }
+        total.f_double_value(&[]).ctx("reading the gradient norm")
+    }
+
+    /// For each parameter, whether it has an fp32 master.
+    pub(crate) fn master_flags(&self) -> Vec<bool> {
+        self.entries.iter().map(|e| e.master().is_some()).collect()
+    }
+
+    /// The id of the [`crate::Amp`] that made this optimizer.
+    pub(crate) fn amp_id(&self) -> u64 {
+        self.setup.amp_id
+    }
+
+    /// The device of the parameters (of the first one; `None` for an empty optimizer).
+    pub(crate) fn device(&self) -> Option<Device> {
+        self.entries.first().map(|e| e.model().device())
+    }
+
+    /// `scale_loss` entry: set aside existing gradients so that the new, scaled ones can be
+    /// unscaled alone and added back (gradient accumulation across losses/iterations).
+    pub(crate) fn begin_backward(&mut self) -> Result<()> {
+        if self.scaled_pending {
+            return Ok(());
+        }
+        for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
+            match e.master() {
+                // Master grads keep accumulating; the fp16 grads must start empty.
+                Some(_) => clear_grad(e.model())?,
+                None => *stash = take_grad(e.model())?,
+            }
+        }
+        Ok(())
+    }
+
+    /// `scale_loss` exit after a `delay_unscale` pass: the gradients stay scaled.
+    pub(crate) fn keep_scaled(&mut self) {
+        self.scaled_pending = true;
+    }
+
+    /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
+    /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
+    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+        // Gather the new (scaled) gradients: fp16 model grads become fresh fp32 tensors.
+        let mut fresh: Vec<Tensor> = Vec::new();
+        let mut targets: Vec<(usize, Tensor)> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            match e.master() {
+                Some(_) => {
+                    if let Some(g) = take_grad(e.model())? {
+                        let g32 = g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?;
+                        fresh.push(g32.shallow_clone());
+                        targets.push((i, g32));
+                    }
+                }
+                None => {
+                    let g = e.model().grad();
+                    if g.defined() {
+                        fresh.push(g.shallow_clone());
+                        targets.push((i, g));
+                    }
+                }
+            }
+        }
+        unscale_(&fresh, found_inf, inv_scale)?;
+        let _no_grad = tch::no_grad_guard();
+        for (i, new_grad) in targets {
+            match self.entries[i].master() {
+                Some(master) => {
+                    let existing = master.grad();
+                    if existing.defined() {
+                        let mut ex = existing;
+                        let _ = ex.f_add_(&new_grad).ctx("accumulating a master gradient")?;
+                    } else {
+                        set_grad(master, &new_grad)?;
+                    }
+                }
+                None => {
+                    if let Some(stashed) = self.stash[i].take() {
+                        let mut g = new_grad;
+                        let _ = g.f_add_(&stashed).ctx("adding back a stashed gradient")?;
+                    }
+                }
+            }
+        }
+        // Stashed grads of parameters that got no new gradient go back unchanged.
+        for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
+            if let Some(s) = stash.take() {
+                set_grad(e.model(), &s)?;
+            }
+        }
+        self.scaled_pending = false;
+        Ok(())
+    }
+
+    pub(crate) fn mark_skip(&mut self, loss_id: usize, loss_scale: f64) {
+        self.skip_next = Some(PendingSkip { loss_id, loss_scale });
+    }
+}
+
+impl AmpOptimizer {
+    /// The optimizer's persistent state: learning rates, counters, and per parameter its step
+    /// count, buffers and fp32 master value. Tensors are shared, not copied: save or copy them
+    /// before the next step.
+    pub fn to_record(&self) -> OptimizerRecord {
+        let params = self
+            .entries
+            .iter()
+            .zip(self.inner.states())
+            .map(|(e, st)| ParamRecord {
+                name: e.name().to_string(),
+                step: st.step(),
+                buffers: st.buffers().iter().map(|(k, v)| (k.to_string(), v.shallow_clone())).collect(),
+                master: e.master().map(Tensor::shallow_clone),
+            })
+            .collect();
+        OptimizerRecord {
+            kind: self.inner.config().name().to_string(),
+            lr: self.inner.lr(),
+            group_lr: self.inner.group_lrs().clone(),
+            steps: self.steps,
+            skipped: self.skipped,
+            params,
+        }
+    }
+
+    /// Restores a record made by [`Self::to_record`] (of this optimizer or of one built the
+    /// same way). Everything is checked before anything changes: the optimizer kind, the
+    /// parameter names and order, learning rates, for each parameter either no buffers (never
+    /// updated) or exactly this optimizer's buffers, each with the parameter's shape, the state
+    /// dtype (fp32 for fp16 parameters) and finite values, and a finite fp32 master of the
+    /// right shape for each parameter with a master. Gradients are cleared and a pending skip
+    /// forgotten.
+    ///
+    /// # Errors
+    /// [`AmpError::StateMismatch`] for any difference; nothing is changed then.
+    pub fn load_record(&mut self, record: OptimizerRecord) -> Result<()> {
+        let staged = self.stage_record(record)?;
+        self.apply_staged(staged)
+    }
+
+    /// Checks `record` against this optimizer and stages its values on the parameters' device.
+    pub(crate) fn stage_record(&self, record: OptimizerRecord) -> Result<StagedRecord> {
+        if record.kind != self.inner.config().name() {
+            return Err(mismatch(format!(
+                "the record is of a {} optimizer, this one is {}",
+                record.kind,
+                self.inner.config().name()
+            )));
+        }
+        let lr_ok = |lr: f64| lr.is_finite() && lr >= 0.0;
+        if !lr_ok(record.lr) || record.group_lr.values().any(|&v| !lr_ok(v)) {
+            return Err(mismatch(format!(
+                "learning rates {} / {:?} must be finite and >= 0",
+                record.lr, record.group_lr
+            )));
+        }
+        let names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
+        if names != self.param_names() {
+            return Err(mismatch(format!(
+                "the record covers parameters {names:?}, this optimizer covers {:?}",
+                self.param_names()
+            )));
+        }
+        let mut expected: Vec<&'static str> = self.inner.config().buffer_names().to_vec();
+        expected.sort_unstable();
+        let mut per_param = Vec::with_capacity(record.params.len());
+        for (e, p) in self.entries.iter().zip(record.params) {
+            let target = e.update_target();
+            if !p.buffers.is_empty() || p.step > 0 {
+                let found: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
+                if found != expected {
+                    return Err(mismatch(format!(
+                        "{}: optimizer state {found:?} at step {}, this optimizer keeps {expected:?}",
+                        p.name, p.step
+                    )));
+                }
+            }
+            let mut buffers = BTreeMap::new();
+            for (name, (k, v)) in expected.iter().zip(p.buffers) {
+                let v = staged_tensor(&format!("{}/{k}", p.name), v, target, state_kind(target.kind()))?;
+                buffers.insert(*name, v);
+            }
+            let master = match (e.master(), p.master) {
+                (Some(m), Some(v)) => Some(staged_tensor(&format!("{} (master)", p.name), v, m, Kind::Float)?),
+                (Some(_), None) => return Err(mismatch(format!("{}: the record has no master value", p.name))),
+                (None, _) => None,
+            };
+            per_param.push((p.step, buffers, master));
+        }
+        Ok(StagedRecord {
+            lr: record.lr,
+            group_lr: record.group_lr,
+            steps: record.steps,
+            skipped: record.skipped,
+            per_param,
+        })
+    }
+
+    /// Applies a record checked by [`Self::stage_record`].
+    pub(crate) fn apply_staged(&mut self, staged: StagedRecord) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let mut states = Vec::with_capacity(staged.per_param.len());
+        for (e, (step, buffers, master)) in self.entries.iter().zip(staged.per_param) {
+            if let (Some(m), Some(v)) = (e.master(), master) {
+                let mut m = m.shallow_clone();
+                m.f_copy_(&v).ctx("restoring a master weight")?;
+            }
+            states.push((step, buffers));
+        }
+        self.inner.restore(staged.lr, staged.group_lr, states);
+        self.steps = staged.steps;
+        self.skipped = staged.skipped;
+        self.zero_grad()?;
+        self.skip_next = None;
+        Ok(())
+    }
+}
+
+/// A record checked against an optimizer, its tensors on the parameters' device.
+#[derive(Debug)]
+pub(crate) struct StagedRecord {
+    lr: f64,
+    group_lr: BTreeMap<usize, f64>,
+    steps: u64,
+    skipped: u64,
+    per_param: Vec<(u64, BTreeMap<&'static str, Tensor>, Option<Tensor>)>,
+}
+
+/// `v` checked against `like` (shape), of dtype `kind`, finite, moved to `like`'s device.
+fn staged_tensor(what: &str, v: Tensor, like: &Tensor, kind: Kind) -> Result<Tensor> {
+    if v.size() != like.size() || v.kind() != kind {
+        return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {:?}", v.kind(), v.size(), like.size())));
+    }
+    let finite = v.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checking a state")?;
+    if finite == 0 {
+        return Err(mismatch(format!("{what}: holds inf or NaN")));
+    }
+    v.f_to_device(like.device()).ctx("moving a state to the parameter's device")
+}

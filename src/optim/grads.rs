@@ -1,0 +1,44 @@
+//! Gradients: set, clear or take `.grad`, the fused unscale with an inf/NaN flag, and the fp32
+//! total norm (the shim calls are in `crate::sys`).
+use tch::Tensor;
+
+use crate::error::Result;
+use crate::sys;
+
+/// Sets `t.grad` to `grad` (shares it, no copy).
+pub(crate) fn set_grad(t: &Tensor, grad: &Tensor) -> Result<()> {
+    sys::set_grad(t, Some(grad))
+}
+
+/// Sets `t.grad` to None, releasing its memory.
+pub(crate) fn clear_grad(t: &Tensor) -> Result<()> {
+    sys::set_grad(t, None)
+}
+
+/// Takes `t.grad` out (None when it has none), leaving `t.grad` as None.
+pub(crate) fn take_grad(t: &Tensor) -> Result<Option<Tensor>> {
+    let g = t.grad();
+    if !g.defined() {
+        return Ok(None);
+    }
+    clear_grad(t)?;
+    Ok(Some(g))
+}
+
+/// In place `g *= inv_scale` for every tensor of `grads`, and `found_inf` (a 1-element fp32
+/// tensor on the grads' device) set to 1.0 when any element is inf or NaN: one fused pass per
+/// dtype group (libtorch's `_amp_foreach_non_finite_check_and_unscale_`), no host sync. This is
+/// what `scale_loss` runs at exit; it is public for custom training loops and benchmarks.
+///
+/// # Errors
+/// [`crate::AmpError::Shim`] when libtorch rejects the inputs (e.g. tensors on different
+/// devices); [`crate::AmpError::TooManyTensors`] beyond `i32::MAX` tensors.
+pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    sys::unscale_(grads, found_inf, inv_scale)
+}
+
+/// The total `norm_type`-norm of `tensors` as a 0-dim fp32 tensor, every per-tensor norm
+/// computed in fp32.
+pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
+    sys::total_norm(tensors, norm_type)
+}

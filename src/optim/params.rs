@@ -1,0 +1,101 @@
+//! The parameters an optimizer updates: one entry per trainable variable, with the fp32 master
+//! copy of a low-precision variable under master weights (O2), and the copy back into the model
+//! after each step.
+use tch::{nn::VarStore, Kind, Tensor};
+
+use crate::dtype::is_low_precision;
+use crate::error::{AmpError, Result, TorchContext};
+
+/// One trainable variable of the model as an optimizer sees it.
+#[derive(Debug)]
+pub(crate) struct ParamEntry {
+    name: String,
+    model: Tensor,
+    group: usize,
+    master: Option<Tensor>,
+}
+
+impl ParamEntry {
+    /// The VarStore name (dotted path).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+    /// The model's variable (shares storage with the model's layers).
+    pub(crate) fn model(&self) -> &Tensor {
+        &self.model
+    }
+    /// The parameter group (tch's `Path::set_group`), for per-group learning rates.
+    pub(crate) fn group(&self) -> usize {
+        self.group
+    }
+    /// The fp32 master copy of a low-precision variable under master weights. Variables that
+    /// are already fp32 (batch norm under O2) are their own masters: `None`.
+    pub(crate) fn master(&self) -> Option<&Tensor> {
+        self.master.as_ref()
+    }
+    /// The tensor the optimizer updates: the master when there is one, else the model's own.
+    pub(crate) fn update_target(&self) -> &Tensor {
+        self.master.as_ref().unwrap_or(&self.model)
+    }
+}
+
+/// True when `name` lies under one of `prefixes`, compared by whole path segments.
+pub(crate) fn under_prefix(name: &str, prefixes: &[&str]) -> bool {
+    prefixes.is_empty()
+        || prefixes.iter().any(|p| {
+            let p = p.trim_end_matches('.');
+            p.is_empty() || name == p || (name.starts_with(p) && name.as_bytes().get(p.len()) == Some(&b'.'))
+        })
+}
+
+/// The parameter group of each trainable variable. tch keeps groups only in the VarStore's
+/// internal list (`Path::set_group`), so this is the one place tch-amp reads it.
+fn trainable_groups(vs: &VarStore) -> Result<Vec<(Tensor, usize)>> {
+    let v = vs.variables_.lock().map_err(|_| AmpError::PoisonedLock { what: "the VarStore" })?;
+    Ok(v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect())
+}
+
+/// The trainable (requires_grad) variables of `vs` under `prefixes`, sorted by name, with
+/// fp32 masters for the low-precision ones when `master_weights`.
+pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bool) -> Result<Vec<ParamEntry>> {
+    let vars = vs.variables();
+    let groups = trainable_groups(vs)?;
+    let mut names: Vec<&String> = vars.keys().filter(|n| under_prefix(n, prefixes)).collect();
+    names.sort();
+    if names.is_empty() && !prefixes.is_empty() {
+        return Err(AmpError::NoVariablesUnder { prefixes: prefixes.iter().map(|p| p.to_string()).collect() });
+    }
+    let _no_grad = tch::no_grad_guard();
+    let mut entries = Vec::new();
+    for name in names {
+        let var = &vars[name];
+        if !var.requires_grad() {
+            continue;
+        }
+        let master = if master_weights && is_low_precision(var.kind()) {
+            Some(
+                var.f_detach()
+                    .ctx("creating a master weight")?
+                    .f_to_kind(Kind::Float)
+                    .ctx("creating a master weight")?,
+            )
+        } else {
+            None
+        };
+        let group = groups.iter().find(|(t, _)| t.is_set_to(var)).map_or(0, |(_, g)| *g);
+        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), group, master });
+    }
+    Ok(entries)
+}
+
+/// model ← master (rounded to the model's dtype) for every entry with a master.
+pub(crate) fn copy_masters_to_model(entries: &[ParamEntry]) -> Result<()> {
+    let _no_grad = tch::no_grad_guard();
+    for e in entries {
+        if let Some(master) = &e.master {
+            let mut m = e.model.shallow_clone();
+            m.f_copy_(master).ctx("copying master weights into the model")?;
+        }
+    }
+    Ok(())
+}

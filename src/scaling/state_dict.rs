@@ -1,0 +1,115 @@
+//! `amp.state_dict()` / `amp.load_state_dict()`: the loss scalers' state in Apex's JSON form
+//! (`{"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}, ...}`), also accepting torch's
+//! `GradScaler.state_dict()` keys. Validated in full before anything is applied.
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use super::scaler::{LossScaler, ScalerState};
+use crate::error::{mismatch, Result};
+
+/// The scalers' state, keyed `loss_scaler0`, `loss_scaler1`, ... (a `BTreeMap`: stable files).
+pub type AmpState = BTreeMap<String, ScalerState>;
+
+const GRAD_SCALER_KEYS: [&str; 5] = ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"];
+
+/// The scalers' state in Apex's form (see [`crate::Amp::state_dict`]).
+pub(crate) fn state_dict(scalers: &[LossScaler]) -> AmpState {
+    scalers.iter().enumerate().map(|(i, s)| (format!("loss_scaler{i}"), s.state())).collect()
+}
+
+/// Checks `state` (Apex's form or a GradScaler dict) against `scalers` without applying it.
+pub(crate) fn parse_state(scalers: &[LossScaler], state: &Value) -> Result<ParsedState> {
+    let obj = state.as_object().ok_or_else(|| mismatch("the amp state must be a JSON object"))?;
+    let n = scalers.len();
+    if obj.keys().any(|k| GRAD_SCALER_KEYS.contains(&k.as_str())) {
+        return parse_grad_scaler(scalers, obj);
+    }
+    let mut parsed = Vec::with_capacity(n);
+    for key in obj.keys() {
+        let idx = key.strip_prefix("loss_scaler").and_then(|d| d.parse::<usize>().ok()).ok_or_else(|| {
+            mismatch(format!("unexpected key {key:?} (expected loss_scaler0..loss_scaler{})", n.saturating_sub(1)))
+        })?;
+        if idx >= n {
+            return Err(mismatch(format!("{key} is beyond num_losses = {n}")));
+        }
+    }
+    if obj.len() != n {
+        return Err(mismatch(format!("the state holds {} loss scalers, this Amp has num_losses = {n}", obj.len())));
+    }
+    for i in 0..n {
+        let key = format!("loss_scaler{i}");
+        let v = obj.get(&key).ok_or_else(|| mismatch(format!("missing {key}")))?;
+        let s: ScalerState = serde_json::from_value(v.clone()).map_err(|e| mismatch(format!("{key}: {e}")))?;
+        check_scale(&key, s.loss_scale)?;
+        parsed.push(s);
+    }
+    Ok(ParsedState::Apex(parsed))
+}
+
+/// Applies a state checked by [`parse_state`] against the same scalers.
+pub(crate) fn apply_state(scalers: &mut [LossScaler], parsed: ParsedState) {
+    match parsed {
+        ParsedState::Apex(states) => {
+            for (scaler, s) in scalers.iter_mut().zip(states) {
+                scaler.apply_state(s);
+            }
+        }
+        ParsedState::GradScaler { state, growth, backoff, interval } => {
+            if let Some(first) = scalers.first_mut() {
+                first.apply_grad_scaler(state, growth, backoff, interval)
+            }
+        }
+    }
+}
+
+fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value>) -> Result<ParsedState> {
+    if let Some(k) = obj.keys().find(|k| !GRAD_SCALER_KEYS.contains(&k.as_str())) {
+        return Err(mismatch(format!("unexpected key {k:?} in a GradScaler state")));
+    }
+    if scalers.len() != 1 {
+        return Err(mismatch(format!(
+            "a GradScaler state holds one scaler, this Amp has num_losses = {}",
+            scalers.len()
+        )));
+    }
+    let num = |k: &str| -> Result<Option<f64>> {
+        match obj.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| mismatch(format!("{k} must be a number"))),
+        }
+    };
+    let current = &scalers[0];
+    let (g0, b0) = current.factors();
+    let scale = num("scale")?.ok_or_else(|| mismatch("GradScaler state without \"scale\""))?;
+    check_scale("scale", scale)?;
+    let growth = num("growth_factor")?.unwrap_or(g0);
+    let backoff = num("backoff_factor")?.unwrap_or(b0);
+    let interval = num("growth_interval")?.unwrap_or(current.growth_interval() as f64);
+    let tracker = num("_growth_tracker")?.unwrap_or(0.0);
+    if !(growth.is_finite() && growth > 1.0) {
+        return Err(mismatch(format!("growth_factor {growth} must be > 1")));
+    }
+    if !(backoff > 0.0 && backoff < 1.0) {
+        return Err(mismatch(format!("backoff_factor {backoff} must be in (0, 1)")));
+    }
+    if !(interval >= 1.0 && interval.fract() == 0.0 && tracker >= 0.0 && tracker.fract() == 0.0) {
+        return Err(mismatch("growth_interval and _growth_tracker must be non-negative integers (interval >= 1)"));
+    }
+    let state = ScalerState { loss_scale: scale, unskipped: tracker as u64 };
+    Ok(ParsedState::GradScaler { state, growth, backoff, interval: interval as u64 })
+}
+
+/// A checked state, ready to apply.
+pub(crate) enum ParsedState {
+    Apex(Vec<ScalerState>),
+    GradScaler { state: ScalerState, growth: f64, backoff: f64, interval: u64 },
+}
+
+fn check_scale(key: &str, scale: f64) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(mismatch(format!("{key}: loss scale {scale} must be finite and positive")))
+    }
+}

@@ -1,0 +1,277 @@
+// The boxed kernel tch-amp registers for one aten op overload at one Autocast key: it casts
+// the op's arguments by the calling thread's policy (categories: low precision, fp32, promote,
+// banned), applies Apex's in-place rules, and on CPU may emulate a low-precision GEMM or
+// convolution in fp32. Refusals are c10::Errors whose messages start with the markers
+// "tch-amp O1 [banned op " and "tch-amp O1 [in-place fp32 op " (read by the Rust side's
+// classify_torch_error, src/cast/error.rs).
+#include "cast_policy.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <string>
+#include <utility>
+
+namespace tch_amp::cast {
+namespace {
+
+// Applies `f` to every tensor among the last `n` stack entries (tensors, optional tensors,
+// tensor lists and lists of optional tensors), replacing them with what `f` returns.
+// `skip_first` leaves argument 0 alone (the self of an in-place op).
+template <class F>
+void map_tensor_args(torch::jit::Stack* stack, size_t n, bool skip_first, F&& f) {
+  auto first = stack->end() - static_cast<std::ptrdiff_t>(n);
+  for (size_t i = skip_first ? 1 : 0; i < n; ++i) {
+    c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
+    if (v.isTensor()) {
+      v = f(v.toTensor());
+    } else if (v.isTensorList()) {
+      auto in = v.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(in.size());
+      for (const at::Tensor& t : in) out.push_back(f(t));
+      v = std::move(out);
+    } else if (v.isOptionalTensorList()) {
+      auto in = v.toOptionalTensorList();
+      c10::List<std::optional<at::Tensor>> out;
+      out.reserve(in.size());
+      for (const std::optional<at::Tensor>& t : in) {
+        out.push_back(t.has_value() ? std::optional<at::Tensor>(f(*t)) : std::nullopt);
+      }
+      v = std::move(out);
+    }
+  }
+}
+
+// Calls `f` on every tensor among the last `n` stack entries without changing them.
+template <class F>
+void for_each_tensor_arg(const torch::jit::Stack* stack, size_t n, bool skip_first, F&& f) {
+  auto first = stack->end() - static_cast<std::ptrdiff_t>(n);
+  for (size_t i = skip_first ? 1 : 0; i < n; ++i) {
+    const c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) f(t);
+    } else if (v.isOptionalTensorList()) {
+      for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
+        if (t.has_value()) f(*t);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// "name" or "name.overload", without the "aten::" namespace.
+std::string op_display(const c10::OperatorName& name) {
+  std::string base = name.name.rfind("aten::", 0) == 0 ? name.name.substr(6) : name.name;
+  return name.overload_name.empty() ? base : base + "." + name.overload_name;
+}
+
+namespace {
+
+// The boxed kernel registered for one op overload at one Autocast key.
+class CastKernel final : public c10::OperatorKernel {
+ public:
+  CastKernel(size_t id, int dev, bool inplace, std::optional<c10::SafeKernelFunction> native)
+      : id_(id), dev_(dev), inplace_(inplace), native_(std::move(native)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const c10::DispatchKeySet below = ks - c10::autocast_dispatch_keyset;
+    const Policy* policy = tls_policy.get();
+    if (policy == nullptr) {
+      // No tch-amp policy on this thread: behave exactly as libtorch would.
+      if (native_.has_value()) {
+        native_->callBoxed(op, ks, stack);
+      } else {
+        op.redispatchBoxed(below, stack);  // what libtorch's fallthrough does
+      }
+      return;
+    }
+    if (torch::autograd::get_current_graph_task_id() != -1) {
+      // A backward pass running on this thread (CPU backward runs on the caller's thread):
+      // Apex's casts never touched backward, so its ops run uncast, in the dtypes autograd
+      // hands them (the forward's casts already fixed those).
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+    const Category cat = policy->category_of(id_, dev_);
+    const bool emulate = dev_ == kCpu && !inplace_ && policy->emulated(id_);
+    if (cat == Category::Passthrough && !emulate) {
+      if (native_.has_value()) {
+        // In libtorch's lists but not in this policy: run in the inputs' dtypes, as a
+        // libtorch autocast kernel runs its op.
+        run_below(op, below, stack, *policy);
+      } else {
+        op.redispatchBoxed(below, stack);  // registered for another policy: fall through
+      }
+      return;
+    }
+    const size_t nargs = op.schema().arguments().size();
+    {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      if (inplace_) {
+        apply_inplace_rule(op, cat, stack, nargs);
+      } else {
+        apply_category(op, cat, *policy, stack, nargs);
+      }
+      if (emulate) {
+        run_emulated(op, below, stack, nargs);
+        return;
+      }
+    }
+    run_below(op, below, stack, *policy);
+  }
+
+ private:
+  // Runs the op (its arguments already cast) below the Autocast keys. Without CPU emulation the
+  // autocast keys are excluded inside it, as libtorch's autocast kernels do, so its internals
+  // are not cast again. With CPU emulation on, a composite op (an LSTM cell, bilinear, einsum,
+  // scaled_dot_product_attention, ...) runs instead under the policy's emulation-only twin:
+  // its internals still get no casts, but their GEMMs and convolutions are emulated.
+  void run_below(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
+                 const Policy& policy) const {
+    if (dev_ == kCpu && policy.emulation_only) {
+      op.redispatchBoxed(below, stack);  // the thread's policy already is emulation-only
+    } else if (dev_ == kCpu && policy.inner) {
+      std::shared_ptr<const Policy> outer = tls_policy;
+      struct Restore {
+        std::shared_ptr<const Policy>& slot;
+        std::shared_ptr<const Policy> saved;
+        ~Restore() { slot = std::move(saved); }
+      } restore{tls_policy, std::move(outer)};
+      tls_policy = policy.inner;
+      op.redispatchBoxed(below, stack);
+    } else {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      op.redispatchBoxed(below, stack);
+    }
+  }
+
+  // Apex's in-place rules: an fp32-list op in place on a low-precision self is an error (the
+  // result could not be kept in fp32); any other listed in-place op casts its other operands
+  // to self's dtype.
+  void apply_inplace_rule(const c10::OperatorHandle& op, Category cat, torch::jit::Stack* stack,
+                          size_t nargs) const {
+    if (cat == Category::Passthrough || nargs == 0) return;
+    const c10::IValue& self = *(stack->end() - static_cast<std::ptrdiff_t>(nargs));
+    if (!self.isTensor() || !eligible(self.toTensor(), dev_)) return;
+    const at::ScalarType self_type = self.toTensor().scalar_type();
+    if ((cat == Category::Fp32 || cat == Category::Banned) && is_low(self_type)) {
+      const std::string name = op_display(op.operator_name());
+      std::string base = name.substr(0, name.find('.'));
+      if (!base.empty() && base.back() == '_') base.pop_back();
+      TORCH_CHECK(false, "tch-amp O1 [in-place fp32 op ", name, " on ", c10::toString(self_type),
+                  "]: ", base, " runs in fp32 under O1, so it cannot write its result into a ",
+                  c10::toString(self_type), " tensor in place; call the out-of-place ", base,
+                  " (or cast the tensor to fp32 first)");
+    }
+    const int dev = dev_;
+    map_tensor_args(stack, nargs, /*skip_first=*/true, [&](const at::Tensor& t) {
+      return cast_tensor(t, self_type, dev);
+    });
+  }
+
+  void apply_category(const c10::OperatorHandle& op, Category cat, const Policy& policy,
+                      torch::jit::Stack* stack, size_t nargs) const {
+    const int dev = dev_;
+    switch (cat) {
+      case Category::Passthrough:
+        return;
+      case Category::LowPrecision: {
+        const at::ScalarType low = at::autocast::get_autocast_dtype(device_type_of(dev));
+        map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, low, dev); });
+        return;
+      }
+      case Category::Banned: {
+        bool any_low = false;
+        for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
+          if (eligible(t, dev) && is_low(t.scalar_type())) any_low = true;
+        });
+        if (any_low && !policy.allow_banned) {
+          const std::string name = op_display(op.operator_name());
+          TORCH_CHECK(false, "tch-amp O1 [banned op ", name, "]: ", name,
+                      " is unsafe on fp16/bf16 inputs: its log saturates where a low-precision "
+                      "sigmoid has rounded to 0 or 1. Models usually apply a sigmoid right before "
+                      "it: feed the logits to binary_cross_entropy_with_logits (BCEWithLogitsLoss) "
+                      "instead, which is safe and runs in fp32 under O1. If you really want it, "
+                      "set allow_banned in the O1 settings: it then runs in fp32.");
+        }
+        map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, dev); });
+        return;
+      }
+      case Category::Fp32:
+        map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, dev); });
+        return;
+      case Category::Promote: {
+        std::optional<at::ScalarType> widest;
+        bool mixed = false;
+        for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
+          if (!eligible(t, dev)) return;
+          const auto s = t.scalar_type();
+          if (!widest.has_value()) {
+            widest = s;
+          } else if (*widest != s) {
+            mixed = true;
+            widest = c10::promoteTypes(*widest, s);
+          }
+        });
+        if (!mixed) return;
+        const at::ScalarType to = *widest;
+        map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) {
+          if (!eligible(t, dev) || t.scalar_type() == to) return t;
+          return t.to(to);  // fp64 only ever widens here (it is the widest when present)
+        });
+        return;
+      }
+    }
+  }
+
+  // CPU low-precision emulation: when every floating input is the same 16-bit type D, compute
+  // the op in fp32 from the (already rounded) inputs and round the floating outputs to D —
+  // what a Tensor-Core GEMM does (fp16 in, fp32 accumulate, fp16 out). The casts are made
+  // here, above autograd, so backward has the same rounding points.
+  void run_emulated(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
+                    size_t nargs) const {
+    std::optional<at::ScalarType> low;
+    bool uniform = true;
+    for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
+      if (!eligible(t, kCpu)) return;
+      const auto s = t.scalar_type();
+      if (!is_low(s) || (low.has_value() && *low != s)) uniform = false;
+      low = s;
+    });
+    if (!uniform || !low.has_value()) {
+      op.redispatchBoxed(below, stack);  // mixed or full-precision inputs: the native kernel decides
+      return;
+    }
+    map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
+    op.redispatchBoxed(below, stack);
+    const size_t nret = op.schema().returns().size();
+    const at::ScalarType to = *low;
+    auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);
+    for (size_t i = 0; i < nret; ++i) {
+      c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
+      }
+    }
+  }
+
+  size_t id_;
+  int dev_;
+  bool inplace_;
+  std::optional<c10::SafeKernelFunction> native_;
+};
+
+}  // namespace
+
+torch::CppFunction make_cast_kernel(size_t id, int dev, bool inplace, std::optional<c10::SafeKernelFunction> native) {
+  return torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CastKernel>(id, dev, inplace, std::move(native)));
+}
+
+}  // namespace tch_amp::cast

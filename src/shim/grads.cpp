@@ -1,0 +1,56 @@
+// Gradient plumbing used by scale_loss and clipping (bound in src/sys/grads.rs). Tensors cross
+// as `at::Tensor*` (tch's C_tensor).
+#include "amp_shim.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+extern "C" {
+
+// Sets `tensor.grad` to `grad` (a tensor pointer) or, when grad is NULL, to undefined (None).
+char* tch_amp_set_grad(at::Tensor* tensor, at::Tensor* grad) {
+  TCH_AMP_PROTECT({
+    if (grad == nullptr) {
+      tensor->mutable_grad() = at::Tensor();
+    } else {
+      tensor->mutable_grad() = *grad;
+    }
+  })
+}
+
+// In place: every tensor in `grads` is multiplied by `inv_scale` (a 1-element fp32 tensor)
+// and `found_inf` (a 1-element fp32 tensor) becomes 1 when any element of any grad is inf or
+// NaN. One fused pass per dtype group (libtorch's _amp_foreach_non_finite_check_and_unscale_);
+// no host sync.
+char* tch_amp_unscale_(at::Tensor** grads, int n, at::Tensor* found_inf, at::Tensor* inv_scale) {
+  TCH_AMP_PROTECT({
+    std::vector<at::Tensor> list;
+    list.reserve(n);
+    for (int i = 0; i < n; ++i) list.push_back(*grads[i]);
+    if (!list.empty()) {
+      at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
+    }
+  })
+}
+
+// Total p-norm of `tensors` computed in fp32 (fp16/bf16 grads are upcast per tensor, never
+// summed in half), written to *out as a new 0-dim fp32 tensor. norm_type = inf gives max |x|.
+char* tch_amp_total_norm(at::Tensor** tensors, int n, double norm_type, at::Tensor** out) {
+  TCH_AMP_PROTECT({
+    std::vector<at::Tensor> norms;
+    norms.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      norms.push_back(at::linalg_vector_norm(*tensors[i], norm_type, {}, false, at::kFloat));
+    }
+    at::Tensor total;
+    if (norms.empty()) {
+      total = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+    } else {
+      total = at::linalg_vector_norm(at::stack(norms), norm_type, {}, false, at::kFloat);
+    }
+    *out = new at::Tensor(total);
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,54 @@
+//! Gradient plumbing (`src/shim/grads.cpp`): set or clear `.grad`, the fused unscale with an
+//! inf/NaN flag, and the fp32 total norm.
+use std::ffi::{c_char, c_int};
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use super::{check, ptr, ptrs};
+use crate::error::Result;
+
+extern "C" {
+    fn tch_amp_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+    fn tch_amp_unscale_(
+        grads: *const *mut C_tensor,
+        n: c_int,
+        found_inf: *mut C_tensor,
+        inv_scale: *mut C_tensor,
+    ) -> *mut c_char;
+    fn tch_amp_total_norm(
+        tensors: *const *mut C_tensor,
+        n: c_int,
+        norm_type: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+}
+
+/// Sets `t.grad` to `grad` (shared, no copy), or to None (freeing it) for `None`.
+pub(crate) fn set_grad(t: &Tensor, grad: Option<&Tensor>) -> Result<()> {
+    let g = grad.map_or(std::ptr::null_mut(), ptr);
+    // SAFETY: `t` (and `grad` when given) are live at::Tensor handles; NULL means undefined.
+    check(unsafe { tch_amp_set_grad(ptr(t), g) }, "set_grad")
+}
+
+/// libtorch's `_amp_foreach_non_finite_check_and_unscale_` over `grads` (see
+/// [`crate::unscale_`]).
+pub(crate) fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    if grads.is_empty() {
+        return Ok(());
+    }
+    let (handles, n) = ptrs(grads, "unscale")?;
+    // SAFETY: `handles` holds live handles for the duration of the call.
+    check(unsafe { tch_amp_unscale_(handles.as_ptr(), n, ptr(found_inf), ptr(inv_scale)) }, "unscale")
+}
+
+/// The total `norm_type`-norm of `tensors` as a 0-dim fp32 tensor (0 for an empty list), every
+/// per-tensor norm computed in fp32.
+pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
+    let (handles, n) = ptrs(tensors, "total_norm")?;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: live handles in; `out` receives a new at::Tensor we own.
+    check(unsafe { tch_amp_total_norm(handles.as_ptr(), n, norm_type, &mut out) }, "total_norm")?;
+    // SAFETY: `out` was allocated by the shim with `new at::Tensor`, which tch frees.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}

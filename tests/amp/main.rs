@@ -1,0 +1,16 @@
+//! O0-O3 end to end: configuration and Apex's rules, initialize, the loss scaler and its state
+//! dict, the optimizers, clipping, memory, several models and losses, checkpoints.
+#[path = "../common/mod.rs"]
+mod common;
+
+mod checkpointing;
+mod clip;
+mod foundation;
+mod initialize;
+mod memory;
+mod multiple_models;
+mod opt_levels;
+mod optim;
+mod scaler;
+mod state_dict;
+mod unscale;

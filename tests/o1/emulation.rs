@@ -1,0 +1,231 @@
+//! CPU low-precision emulation's numerical contract: an emulated fp16/bf16 GEMM or convolution
+//! equals the fp32 op on the (already rounded) inputs, rounded once to the low dtype, exactly;
+//! it is within one ulp of libtorch's native fp16 kernel elementwise; backward has the same
+//! rounding points. Small sizes: native fp16 matmul is 50-170x slower than fp32 on this CPU.
+
+use crate::common::*;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use tch_amp::cast::{install_policy, PolicyHandle};
+use tch_amp::{CastPolicy, CastSettings};
+
+fn emulation_only() -> PolicyHandle {
+    install_policy(CastPolicy::emulation_only(), CastSettings::default()).unwrap()
+}
+
+/// `f` on fp32 copies of the inputs, rounded to `kind`: the contract's right-hand side.
+fn reference(kind: Kind, inputs: &[&Tensor], f: &dyn Fn(&[Tensor]) -> Tensor) -> Tensor {
+    let up: Vec<Tensor> = inputs.iter().map(|t| t.to_kind(Kind::Float)).collect();
+    f(&up).to_kind(kind)
+}
+
+fn assert_bitwise_eq(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.kind(), b.kind(), "{what}");
+    assert_eq!(a.size(), b.size(), "{what}");
+    let (a, b) = (a.view_dtype(Kind::Int16), b.view_dtype(Kind::Int16));
+    let (a, b) = (Vec::<i16>::try_from(a.flatten(0, -1)).unwrap(), Vec::<i16>::try_from(b.flatten(0, -1)).unwrap());
+    let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+    assert_eq!(differing, 0, "{what}: {differing} of {} elements differ", a.len());
+}
+
+/// One unit in the last place of each element of a 16-bit float tensor, in f64.
+fn ulp(t: &Tensor) -> Tensor {
+    let (min_normal_exp, mantissa_bits) = if t.kind() == Kind::Half { (-14.0, 10.0) } else { (-126.0, 7.0) };
+    let exponent = t.to_kind(Kind::Double).abs().log2().floor().clamp_min(min_normal_exp);
+    (exponent - mantissa_bits).exp2()
+}
+
+/// Elementwise: `a` and `b` (two roundings of fp32 accumulations of the same products, in
+/// different orders) differ by at most one ulp of the larger, plus what fp32 summation order
+/// can change: 2 K 2^-24 sum|terms| (`abs_terms` is the op on the inputs' absolute values, in
+/// f64; K bounds the number of accumulated terms). Where results cancel to almost nothing,
+/// fp32 order alone can move them by several of their own (tiny) ulps.
+fn assert_within_one_ulp_up_to_fp32_order(a: &Tensor, b: &Tensor, abs_terms: &Tensor, what: &str) {
+    const K: f64 = 256.0;
+    let diff = (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs();
+    let larger = a.abs().maximum(&b.abs());
+    let allowed = ulp(&larger) + abs_terms * (2.0 * K * 2f64.powi(-24));
+    let excess = f64::try_from((diff - allowed).max()).unwrap();
+    assert!(excess <= 0.0, "{what}: beyond one ulp + fp32 order by {excess}");
+}
+
+/// Deterministic, well-spread test values (tests share libtorch's global RNG across threads).
+fn det(shape: &[i64], salt: f64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    (Tensor::arange(n, (Kind::Double, Device::Cpu)) * 0.7548776662466927 + salt).sin().to_kind(Kind::Float).view(shape)
+        * 2.0
+}
+
+type Op = Box<dyn Fn(&[Tensor]) -> Tensor>;
+
+/// The ops of `opt_levels/emulate_cpu.toml`, with small fp32 inputs.
+fn cases() -> Vec<(&'static str, Vec<Tensor>, Op)> {
+    let salt = std::cell::Cell::new(0.0);
+    let r = |shape: &[i64]| {
+        salt.set(salt.get() + 0.37);
+        det(shape, salt.get())
+    };
+    vec![
+        ("mm", vec![r(&[24, 32]), r(&[32, 16])], Box::new(|t| t[0].mm(&t[1]))),
+        ("addmm", vec![r(&[16]), r(&[24, 32]), r(&[32, 16])], Box::new(|t| t[0].addmm(&t[1], &t[2]))),
+        ("bmm", vec![r(&[3, 8, 16]), r(&[3, 16, 8])], Box::new(|t| t[0].bmm(&t[1]))),
+        (
+            "baddbmm",
+            vec![r(&[3, 8, 8]), r(&[3, 8, 16]), r(&[3, 16, 8])],
+            Box::new(|t| t[0].baddbmm(&t[1], &t[2], 1.0, 1.0)),
+        ),
+        ("matmul", vec![r(&[2, 3, 16]), r(&[16, 8])], Box::new(|t| t[0].matmul(&t[1]))),
+        ("linear", vec![r(&[5, 16]), r(&[8, 16]), r(&[8])], Box::new(|t| t[0].linear(&t[1], Some(&t[2])))),
+        ("mv", vec![r(&[8, 16]), r(&[16])], Box::new(|t| t[0].mv(&t[1]))),
+        ("addmv", vec![r(&[8]), r(&[8, 16]), r(&[16])], Box::new(|t| t[0].addmv(&t[1], &t[2]))),
+        ("addr", vec![r(&[8, 4]), r(&[8]), r(&[4])], Box::new(|t| t[0].addr(&t[1], &t[2]))),
+        ("dot", vec![r(&[64]), r(&[64])], Box::new(|t| t[0].dot(&t[1]))),
+        (
+            "conv2d",
+            vec![r(&[2, 3, 8, 8]), r(&[4, 3, 3, 3]), r(&[4])],
+            Box::new(|t| t[0].conv2d(&t[1], Some(&t[2]), [1, 1], [1, 1], [1, 1], 1)),
+        ),
+        (
+            "conv_transpose2d",
+            vec![r(&[2, 4, 5, 5]), r(&[4, 3, 3, 3])],
+            Box::new(|t| t[0].conv_transpose2d(&t[1], None::<Tensor>, [2, 2], [1, 1], [0, 0], 1, [1, 1])),
+        ),
+        (
+            "conv1d",
+            vec![r(&[2, 3, 16]), r(&[4, 3, 5])],
+            Box::new(|t| t[0].conv1d(&t[1], None::<Tensor>, [1], [2], [1], 1)),
+        ),
+    ]
+}
+
+#[test]
+fn emulated_ops_equal_fp32_compute_of_the_rounded_inputs_rounded() {
+    let handle = emulation_only();
+    for kind in [Kind::Half, Kind::BFloat16] {
+        for (name, inputs, op) in cases() {
+            let low: Vec<Tensor> = inputs.iter().map(|t| t.to_kind(kind)).collect();
+            let emulated = handle.run(Device::Cpu, || op(&low)).unwrap();
+            let expected = reference(kind, &low.iter().collect::<Vec<_>>(), &*op);
+            assert_bitwise_eq(&emulated, &expected, &format!("{name} {kind:?}"));
+            let native = op(&low);
+            if matches!(name, "addr" | "conv_transpose2d") {
+                // libtorch's native CPU addr and conv_transpose2d round intermediates (the outer
+                // product; the columns before col2im) in low precision, so they can be several
+                // ulps from the emulation, which rounds once: check it is never less accurate.
+                let exact = op(&low.iter().map(|t| t.to_kind(Kind::Double)).collect::<Vec<_>>());
+                let err = |t: &Tensor| f64::try_from((t.to_kind(Kind::Double) - &exact).abs().max()).unwrap();
+                let (emulated_err, native_err) = (err(&emulated), err(&native));
+                assert!(emulated_err <= native_err * 1.0001, "{name} {kind:?}: {emulated_err} vs native {native_err}");
+            } else {
+                // The native kernel accumulates in fp32 too, in another order.
+                let abs_terms = op(&low.iter().map(|t| t.to_kind(Kind::Double).abs()).collect::<Vec<_>>());
+                assert_within_one_ulp_up_to_fp32_order(&emulated, &native, &abs_terms, &format!("{name} {kind:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn emulated_mm_is_within_one_ulp_of_the_native_fp16_kernel_at_a_larger_size() {
+    let handle = emulation_only();
+    let a = det(&[96, 128], 0.1).to_kind(Kind::Half);
+    let b = det(&[128, 80], 0.2).to_kind(Kind::Half);
+    let emulated = handle.run(Device::Cpu, || a.mm(&b)).unwrap();
+    let native = a.mm(&b);
+    let abs_terms = a.to_kind(Kind::Double).abs().mm(&b.to_kind(Kind::Double).abs());
+    assert_within_one_ulp_up_to_fp32_order(&emulated, &native, &abs_terms, "mm 96x128x80");
+    // Away from cancellation (results above 1/8 of their terms' magnitude) that is one ulp.
+    let differs = (emulated.to_kind(Kind::Double) - native.to_kind(Kind::Double)).abs();
+    let clear = emulated.to_kind(Kind::Double).abs().gt_tensor(&(&abs_terms * 0.125));
+    let beyond = differs.gt_tensor(&ulp(&emulated.abs().maximum(&native.abs()))).logical_and(&clear);
+    assert_eq!(i64::try_from(beyond.sum(Kind::Int64)).unwrap(), 0);
+    assert_bitwise_eq(&emulated, &a.to_kind(Kind::Float).mm(&b.to_kind(Kind::Float)).to_kind(Kind::Half), "mm");
+}
+
+#[test]
+fn backward_has_the_same_rounding_points() {
+    let handle = emulation_only();
+    for backward_inside in [false, true] {
+        let a = leaf(&[12, 16], Kind::Half);
+        let b = leaf(&[16, 8], Kind::Half);
+        let upstream = randn(&[12, 8], Kind::Half);
+        let active = handle.activate(Device::Cpu).unwrap();
+        let y = a.mm(&b);
+        assert_eq!(y.kind(), Kind::Half);
+        let loss = (y.to_kind(Kind::Float) * upstream.to_kind(Kind::Float)).sum(None::<Kind>);
+        if !backward_inside {
+            drop(active);
+            loss.backward();
+        } else {
+            loss.backward();
+            drop(active);
+        }
+        // fp16 grads, each the fp32 product of fp16 values rounded once: as a Tensor-Core GEMM.
+        let (g, a32, b32) = (upstream.to_kind(Kind::Float), a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+        assert_bitwise_eq(&a.grad(), &g.mm(&b32.tr()).to_kind(Kind::Half), "grad of a");
+        assert_bitwise_eq(&b.grad(), &a32.tr().mm(&g).to_kind(Kind::Half), "grad of b");
+    }
+}
+
+#[test]
+fn o1_linear_is_emulated_after_the_policys_cast() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = nn::linear(vs.root(), 32, 16, Default::default());
+    let x = randn(&[8, 32], Kind::Float);
+    let y = apex().run(Device::Cpu, || m.forward(&x)).unwrap();
+    let h = |t: &Tensor| t.to_kind(Kind::Half);
+    let expected =
+        reference(Kind::Half, &[&h(&x), &h(&m.ws), &h(m.bs.as_ref().unwrap())], &|t| t[0].linear(&t[1], Some(&t[2])));
+    assert_bitwise_eq(&y, &expected, "O1 linear");
+    // Emulation off: libtorch's native fp16 kernel, bit for bit.
+    let native = apex_with(CastSettings::default().emulate_low_precision_on_cpu(false))
+        .run(Device::Cpu, || m.forward(&x))
+        .unwrap();
+    let direct = h(&x).linear(&h(&m.ws), Some(&h(m.bs.as_ref().unwrap())));
+    assert_bitwise_eq(&native, &direct, "native O1 linear");
+}
+
+#[test]
+fn emulation_only_leaves_everything_else_alone() {
+    let handle = emulation_only();
+    let _active = on_cpu(&handle);
+    let xh = randn(&[4, 8], Kind::Half);
+    let xf = randn(&[4, 8], Kind::Float);
+    assert_eq!(xh.softmax(-1, None::<Kind>).kind(), Kind::Half);
+    assert_eq!(xh.exp().kind(), Kind::Half);
+    assert_eq!(xh.mse_loss(&xh, tch::Reduction::Mean).kind(), Kind::Half, "no libtorch fp32 cast either");
+    assert_eq!(Tensor::cat(&[&xh, &xf], 0).kind(), Kind::Float, "type promotion, no cast");
+    // fp32 GEMMs are untouched.
+    assert_eq!(xf.mm(&xf.tr()).kind(), Kind::Float);
+    let plain = tch_amp::without_casts(|| xf.mm(&xf.tr())).unwrap();
+    assert_eq!(to_vec(&xf.mm(&xf.tr())), to_vec(&plain));
+    // Mixed fp16/fp32 inputs reach the native kernel and its error.
+    assert!(xh.f_mm(&xf.tr()).is_err());
+}
+
+#[test]
+fn an_o2_style_half_model_runs_emulated() {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let model = nn::seq()
+        .add(nn::linear(vs.root() / "l1", 16, 32, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "l2", 32, 4, Default::default()));
+    vs.half();
+    let x = randn(&[8, 16], Kind::Half);
+    let handle = emulation_only();
+    let y = handle.run(Device::Cpu, || model.forward(&x)).unwrap();
+    assert_eq!(y.kind(), Kind::Half);
+    let native = model.forward(&x);
+    let close = f64::try_from((y.to_kind(Kind::Double) - native.to_kind(Kind::Double)).abs().max()).unwrap();
+    assert!(close < 0.01, "two fp16 layers, emulated vs native: {close}");
+    y.to_kind(Kind::Float).sum(None::<Kind>).backward();
+    for v in vs.trainable_variables() {
+        assert_eq!(v.grad().kind(), Kind::Half);
+    }
+    // An RNN cell in fp16 (a composite): its GEMMs are emulated, its output stays fp16.
+    let w = randn(&[64, 16], Kind::Half);
+    let h0 = randn(&[8, 16], Kind::Half);
+    let (h1, _) =
+        handle.run(Device::Cpu, || x.lstm_cell(&[&h0, &h0], &w, &w, None::<&Tensor>, None::<&Tensor>)).unwrap();
+    assert_eq!(h1.kind(), Kind::Half);
+}
