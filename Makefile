@@ -20,7 +20,10 @@ doc: setup
 	$(CARGO) doc --no-deps
 
 lint: setup
+	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --all-targets --features cuda-tests -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 
 bench: setup
 	$(CARGO) bench --bench amp

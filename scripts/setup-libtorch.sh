@@ -49,3 +49,7 @@ new=$(printf '# Written by scripts/setup-libtorch.sh; git-ignored.\n[env]\nLIBTO
   "$torch_dir" "${venv}/bin/python")
 if [ ! -f "$cfg" ] || [ "$(cat "$cfg")" != "$new" ]; then printf '%s\n' "$new" > "$cfg"; fi
 echo "setup-libtorch: libtorch $found at $torch_dir" >&2
+if [ -z "${CI:-}" ]; then
+  printf '%s\n' "setup-libtorch: to build your own crate against this libtorch (README, \"Using tch-amp" \
+    "from another crate\"), put this in its .cargo/config.toml:" "[env]" "LIBTORCH = \"$torch_dir\"" >&2
+fi
