@@ -1,5 +1,19 @@
 //! Compiles the C++ shim (`src/shim/*.cpp`) against the libtorch that torch-sys links, and
 //! emits an rpath so tests, examples and binaries run without `LD_LIBRARY_PATH`.
+//!
+//! CUDA: when the libtorch lib dir holds `libtorch_cuda.so` (a CUDA build, such as the PyPI
+//! wheel), every binary of this crate (tests, examples, benches) is linked with
+//! `-Wl,--no-as-needed -ltorch_cuda -ltorch -Wl,--as-needed`. Nothing in tch or tch-amp
+//! references a symbol of `libtorch_cuda.so` directly, so the linker's default `--as-needed`
+//! drops it, the CUDA backend is never loaded, and `tch::Cuda::is_available()` is false on a
+//! GPU machine. torch-sys's own link lines cannot fix that, and rust-lld (rustc's default
+//! linker on x86_64 Linux) rejects tch-rs's usual `--copy-dt-needed-entries`. `tests/linking.rs`
+//! fails when a test binary does not list `libtorch_cuda.so` as needed while the libtorch has it.
+//!
+//! Link arguments do not reach dependents' binaries: tch-amp exports `DEP_TCH_AMP_LIBTORCH_LIB`
+//! (the lib dir) and `DEP_TCH_AMP_TORCH_CUDA` (`1` for a CUDA libtorch, else `0`) so a
+//! dependent's build.rs emits the same rpath and link arguments (README, "Using tch-amp from
+//! another crate").
 use std::env;
 use std::path::{Path, PathBuf};
 
@@ -58,6 +72,16 @@ fn main() {
         .compile("tch_amp_shim");
     // Tests, examples and benches of this crate find libtorch without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
-    // Dependents read this as DEP_TCH_AMP_LIBTORCH_LIB to emit the same rpath.
+    // Keep the CUDA backend as a needed library (see the crate doc above). The search path is
+    // torch-sys's `rustc-link-search`; `--as-needed` is restored for whatever rustc adds after.
+    let torch_cuda = lib_dir.join("libtorch_cuda.so").exists();
+    if torch_cuda {
+        for arg in ["-Wl,--no-as-needed", "-ltorch_cuda", "-ltorch", "-Wl,--as-needed"] {
+            println!("cargo:rustc-link-arg={arg}");
+        }
+    }
+    // Dependents read these as DEP_TCH_AMP_LIBTORCH_LIB and DEP_TCH_AMP_TORCH_CUDA to emit the
+    // same rpath and link arguments.
     println!("cargo:libtorch_lib={}", lib_dir.display());
+    println!("cargo:torch_cuda={}", u8::from(torch_cuda));
 }

@@ -402,6 +402,21 @@ fn fashion_mnist_reports_bad_data_and_bad_levels() {
 }
 
 #[test]
+fn fashion_mnist_device_flag_rejects_what_is_not_there() {
+    let data = synthetic_data();
+    let out = run("fashion_mnist", &["--data", s(data.path()), "--device", "gpu", "--no-plot"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+    // No machine has 100 GPUs: an error naming the device count, not a fallback to the CPU.
+    let out = run("fashion_mnist", &["--data", s(data.path()), "--device", "cuda:99", "--levels", "O0", "--no-plot"]);
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--device cuda:99") && err.contains("CUDA device(s)"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn imagenet_resume_continues_exactly() {
     let data = synthetic_data();
     let dir = TempDir::new().unwrap();

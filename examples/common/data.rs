@@ -183,9 +183,9 @@ impl Split {
         Split { images: self.images.index_select(0, &idx), labels: self.labels.index_select(0, &idx) }
     }
 
-    /// The batch of `indices`.
+    /// The batch of `indices`, on the split's device.
     pub fn batch(&self, indices: &[i64]) -> (Tensor, Tensor) {
-        let idx = Tensor::from_slice(indices);
+        let idx = Tensor::from_slice(indices).to_device(self.images.device());
         (self.images.index_select(0, &idx), self.labels.index_select(0, &idx))
     }
 }
