@@ -460,7 +460,7 @@ fn edge_cases_from_python_read_exactly_with_sharing() {
     let expected = read_json(&dir.path().join("edge.json"));
     // The Rust recipe builds what Python built.
     assert_same_json(&manifest(&edge_tree()), &expected, "Rust edge_tree vs Python edge_tree");
-    for fmt in ["zip", "legacy"] {
+    for fmt in ["zip", "legacy", "p4"] {
         let v = torch_io::load(dir.path().join(format!("edge.{fmt}.pt"))).unwrap();
         assert_same_json(&manifest(&v), &expected, &format!("edge.{fmt}.pt"));
         // Spot checks of what the manifest encodes.
@@ -492,6 +492,52 @@ fn edge_cases_from_python_read_exactly_with_sharing() {
         assert_shared(tensor_at(&v, "tied_a"), &[4], tensor_at(&v, "tied_b"), &[1]);
         // sliced[0][0] is element 8 of the storage: m[1][2], transposed[2][1].
         assert_shared(tensor_at(&v, "transposed"), &[2, 1], tensor_at(&v, "sliced"), &[0, 0]);
+    }
+}
+
+#[test]
+fn tar_archives_read_as_torch_reads_them() {
+    // torch 2.13 cannot write the tar format (torch < 0.1.10); the script builds one to the
+    // layout torch.load's legacy_load reads, with a storage view, and checks torch 2.13 loads it.
+    let dir = fixtures("tar");
+    let path = dir.path().join("legacy.tar");
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(torch_io::detect_format(&bytes), Some(Format::Tar));
+    let v = torch_io::load(&path).unwrap();
+    let mut expected = read_json(&dir.path().join("legacy.tar.json"));
+    // v1 and v2 view storage 14, a view of storage 13 starting at element 2. Python gives the
+    // view its own storage object, so its offsets count from the view; tch has no storage
+    // slices, so here they count from the root storage: same memory, offsets 2 higher.
+    for (i, key) in ["v1", "v2"].iter().enumerate() {
+        let item = &mut expected["items"][3 + i];
+        assert_eq!(item[0]["v"], *key);
+        let off = item[1]["offset"].as_i64().unwrap();
+        item[1]["offset"] = json!(off + 2);
+    }
+    assert_same_json(&manifest(&v), &expected, "legacy.tar");
+    assert_eq!(tensor_at(&v, "v1").double_value(&[0]), 3.0 / 8.0);
+    assert_shared(tensor_at(&v, "w"), &[1, 0], tensor_at(&v, "w_t"), &[0, 1]);
+    assert_shared(tensor_at(&v, "v1"), &[1], tensor_at(&v, "v2"), &[1]);
+    // A legacy stream with storage views (torch < 1.0), likewise checked with torch 2.13.
+    let lv = torch_io::load(dir.path().join("legacy_view.pt")).unwrap();
+    let mut expected = read_json(&dir.path().join("legacy_view.json"));
+    // "all" views the root storage; v1 and v2 the slice from element 2: Python numbers the
+    // slice as its own storage object (id 1), tch shares the root's (id 0).
+    for i in [1, 2] {
+        let item = &mut expected["items"][i];
+        let off = item[1]["offset"].as_i64().unwrap();
+        item[1]["offset"] = json!(off + 2);
+        assert_eq!(item[1]["storage"], 1);
+        item[1]["storage"] = json!(0);
+    }
+    assert_same_json(&manifest(&lv), &expected, "legacy_view.pt");
+    assert_shared(tensor_at(&lv, "all"), &[4], tensor_at(&lv, "v2"), &[1]);
+    // Truncations are typed errors (the members end at byte 3732; tar pads to 10240).
+    for cut in [100, 600, 1500, 1700, 2600, 2900, 3600, 3700] {
+        assert!(
+            torch_io::load_bytes(&bytes[..cut], &LoadOptions::new()).is_err(),
+            "cut at {cut}"
+        );
     }
 }
 
@@ -1018,13 +1064,14 @@ fn touch(v: &Value) -> usize {
     }
 }
 
-/// At least 10^4 mutated files (12,000: 4,000 raw zip, 4,000 zip with a mutated data.pkl,
-/// 4,000 legacy), seeded; none may panic or abort. About 3 s in a debug build on 2 cores.
+/// At least 10^4 mutated files (16,000: 4,000 raw zip, 4,000 zip with a mutated data.pkl,
+/// 4,000 legacy, 4,000 tar), seeded; none may panic or abort. About 3 s in a debug build.
 #[test]
 fn fuzz_reader_never_panics() {
-    let dir = fixtures("seeds");
+    let dir = fixtures("seeds,tar");
     let zip_seed = std::fs::read(dir.path().join("seed.zip.pt")).unwrap();
     let legacy_seed = std::fs::read(dir.path().join("seed.legacy.pt")).unwrap();
+    let tar_seed = std::fs::read(dir.path().join("legacy.tar")).unwrap();
     let rust_seed = torch_io::save_bytes(&edge_tree()).unwrap();
     let recs = records(&zip_seed);
     let pkl = recs.iter().find(|(n, _)| n.ends_with("/data.pkl")).unwrap().1.clone();
@@ -1034,7 +1081,8 @@ fn fuzz_reader_never_panics() {
     let mut tensors_touched = 0;
     let start = Instant::now();
     const PER_FAMILY: usize = 4000;
-    for case in 0..3 * PER_FAMILY {
+    const FAMILIES: usize = 4;
+    for case in 0..FAMILIES * PER_FAMILY {
         let input = match case / PER_FAMILY {
             0 => {
                 let (seed, donor) = if case % 2 == 0 {
@@ -1045,7 +1093,8 @@ fn fuzz_reader_never_panics() {
                 mutate(&mut rng, seed, donor)
             }
             1 => rezip(&recs, &mutate(&mut rng, &pkl, &legacy_seed)),
-            _ => mutate(&mut rng, &legacy_seed, &pkl),
+            2 => mutate(&mut rng, &legacy_seed, &pkl),
+            _ => mutate(&mut rng, &tar_seed, &legacy_seed),
         };
         let result = std::panic::catch_unwind(|| torch_io::load_bytes(&input, &opts));
         let outcome = match result {
@@ -1062,7 +1111,7 @@ fn fuzz_reader_never_panics() {
     counts.sort_by_key(|c| std::cmp::Reverse(c.1));
     eprintln!(
         "fuzz: {} cases in {:.2} s, {tensors_touched} tensors read from loaded trees; outcomes {counts:?}",
-        3 * PER_FAMILY,
+        FAMILIES * PER_FAMILY,
         start.elapsed().as_secs_f64()
     );
     // The mutations reach past the container: some mutated files still load, and the unpickler

@@ -2,7 +2,7 @@
 //!
 //! [`load`] reads any container `torch.save` has written into a [`Value`] tree: the zip
 //! archive (torch >= 1.6), the legacy pickle stream (torch 0.1.10 to 1.5, or
-//! `_use_new_zipfile_serialization=False`), with tensors as tch [`Tensor`](tch::Tensor)s that
+//! `_use_new_zipfile_serialization=False`) and the tar archive (torch < 0.1.10), with tensors as tch [`Tensor`](tch::Tensor)s that
 //! keep their dtype, shape, strides and storage offset, and share storage where the saved
 //! tensors did (tied weights stay tied). [`save`] writes a tree back as the zip archive, in a
 //! form that `torch.load(path)` reads under both `weights_only=True` (the default since torch
@@ -54,15 +54,20 @@
 //! - A Python 2 `str` (legacy files) becomes [`Value::Str`] when it is UTF-8, [`Value::Bytes`]
 //!   otherwise.
 //! - Bool storages must hold only 0 and 1.
+//! - Storage views of old files (a legacy or tar storage that is a slice of another): tch has
+//!   no storage slices, so such tensors view the root storage, their `storage_offset()` counted
+//!   from the root's start (Python counts from the slice's); memory and sharing are the same.
 //! - Writing: a storage is written once, however many tensors view it, but only up to the
 //!   last element any of them reaches (torch.save writes the whole storage), so a saved
 //!   slice does not drag its whole parent along. Storage keys are "0", "1", ... in tree order.
 //!   The whole file is built in a temporary file beside the target, synced and renamed over
 //!   it: a failed save leaves the previous file as it was.
-//! - The legacy tar format (torch < 0.1.10) is detected but not read (no genuine file
-//!   could be produced to test against; torch 2.13 refuses it under `weights_only=True`).
 //!
-//! Legacy files are read into memory whole; zip archives are read record by record.
+//! Legacy and tar files are read into memory whole; zip archives are read record by record.
+//! The tar format (torch < 0.1.10) is read as torch.load's `legacy_load` reads it (storages
+//! with their views, tensor records, then the object pickle); it is tested against archives
+//! built to that layout and checked with torch 2.13's own reader, not against files written
+//! by a torch of that era (torch 2.13 cannot write it, and refuses it under `weights_only=True`).
 use std::io::{BufWriter, Read, Seek, SeekFrom};
 use std::path::Path;
 
@@ -92,7 +97,7 @@ pub enum Format {
     Zip,
     /// Legacy pickle stream: torch 0.1.10 to 1.5, or `_use_new_zipfile_serialization=False`.
     Legacy,
-    /// Tar archive: torch < 0.1.10 (detected, not read).
+    /// Tar archive: torch < 0.1.10.
     Tar,
 }
 
@@ -151,22 +156,17 @@ pub fn load_with(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Value>
             file.seek(SeekFrom::Start(0)).map_err(io_err("reading", path))?;
             container::read_zip(std::io::BufReader::new(file), len, options.map_location)
         }
-        Some(Format::Legacy) => {
+        Some(format @ (Format::Legacy | Format::Tar)) => {
             let mut data = head;
             data.reserve(len.saturating_sub(data.len() as u64) as usize);
             file.read_to_end(&mut data).map_err(io_err("reading", path))?;
-            container::read_legacy(&data, options.map_location)
+            if format == Format::Tar {
+                container::read_tar(&data, options.map_location)
+            } else {
+                container::read_legacy(&data, options.map_location)
+            }
         }
-        Some(Format::Tar) => Err(tar_unsupported()),
         None => Err(container::unknown_format(&head)),
-    }
-}
-
-fn tar_unsupported() -> TorchIoError {
-    TorchIoError::UnknownFormat {
-        reason: "a legacy tar archive (torch < 0.1.10), which is not supported: load it with torch \
-                 and save it again"
-            .into(),
     }
 }
 
@@ -178,7 +178,7 @@ pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
     match container::detect(bytes) {
         Some(Format::Zip) => container::read_zip(std::io::Cursor::new(bytes), bytes.len() as u64, options.map_location),
         Some(Format::Legacy) => container::read_legacy(bytes, options.map_location),
-        Some(Format::Tar) => Err(tar_unsupported()),
+        Some(Format::Tar) => container::read_tar(bytes, options.map_location),
         None => Err(container::unknown_format(bytes)),
     }
 }

@@ -58,6 +58,9 @@ pub(crate) enum Global {
     Bytearray,
     TensorType,
     ParameterType,
+    /// A legacy typed tensor class (`torch.FloatTensor`, `torch.cuda.HalfTensor`), named in
+    /// the tar format's tensor records.
+    TensorClass,
     StorageType(Kind),
     Dtype(Kind),
 }
@@ -77,6 +80,7 @@ impl Global {
             Global::Bytearray => "builtins.bytearray".into(),
             Global::TensorType => "torch.Tensor".into(),
             Global::ParameterType => "torch.nn.parameter.Parameter".into(),
+            Global::TensorClass => "legacy tensor class".into(),
             Global::StorageType(k) => format!("storage type of {k:?}"),
             Global::Dtype(k) => format!("dtype {k:?}"),
         }
@@ -364,6 +368,23 @@ fn resolve_global(module: &str, name: &str, offset: u64) -> Result<Global> {
         ("torch", "Tensor") | ("torch._tensor", "Tensor") => Global::TensorType,
         ("torch.nn.parameter", "Parameter") => Global::ParameterType,
         ("_codecs", "encode") => Global::CodecsEncode,
+        ("torch" | "torch.cuda", n)
+            if matches!(
+                n,
+                "DoubleTensor"
+                    | "FloatTensor"
+                    | "HalfTensor"
+                    | "BFloat16Tensor"
+                    | "LongTensor"
+                    | "IntTensor"
+                    | "ShortTensor"
+                    | "CharTensor"
+                    | "ByteTensor"
+                    | "BoolTensor"
+            ) =>
+        {
+            Global::TensorClass
+        }
         ("builtins", "bytearray") => Global::Bytearray,
         (m, n) if (m == "torch" || m.starts_with("torch.")) && n.contains("Storage") => {
             // torch.load maps any "...Storage" name to its dtype (torch.cuda.HalfStorage too).
@@ -922,9 +943,7 @@ impl<'a> Machine<'a, '_> {
                     let v = self.persistent.load(&pid, &mut self.heap, self.op_offset)?;
                     self.stack.push(v);
                 }
-                0x8f..=0x91 => {
-                    return Err(self.unsupported("a set or frozenset (the value tree has no set type)"))
-                }
+                0x8f..=0x91 => return Err(self.unsupported("a set or frozenset (the value tree has no set type)")),
                 _ => {
                     return Err(TorchIoError::UnknownOpcode {
                         offset: self.op_offset,
@@ -1179,9 +1198,11 @@ impl<'a> Machine<'a, '_> {
                 let func = args[0].clone();
                 self.call(&func, &args[2])
             }
-            Global::TensorType | Global::ParameterType | Global::StorageType(_) | Global::Dtype(_) => {
-                Err(self.unsupported(format!("call of {}", g.describe())))
-            }
+            Global::TensorType
+            | Global::ParameterType
+            | Global::TensorClass
+            | Global::StorageType(_)
+            | Global::Dtype(_) => Err(self.unsupported(format!("call of {}", g.describe()))),
         }
     }
 
@@ -1247,6 +1268,36 @@ impl<'a> Machine<'a, '_> {
         };
         Ok(self.new_heap(HeapObj::Tensor(spec)))
     }
+}
+
+/// Checks a tensor view against its storage window (same dtype) and makes its spec.
+pub(crate) fn checked_spec(
+    storage: StorageView,
+    offset: i64,
+    size: Vec<i64>,
+    stride: Vec<i64>,
+    at: u64,
+) -> Result<TensorSpec> {
+    let needed = needed_elements(&size, &stride, offset);
+    if needed.map_or(true, |n| n > storage.numel) {
+        return Err(TorchIoError::StorageOutOfBounds {
+            offset: at,
+            key: storage.key.to_string(),
+            size,
+            stride,
+            storage_offset: offset,
+            needed: needed.unwrap_or(0),
+            storage_numel: storage.numel,
+        });
+    }
+    Ok(TensorSpec {
+        kind: storage.kind,
+        storage_offset: offset + storage.offset as i64,
+        storage,
+        size,
+        stride,
+        requires_grad: false,
+    })
 }
 
 fn pairs(items: Vec<Obj>) -> Vec<(Obj, Obj)> {
