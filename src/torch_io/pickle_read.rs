@@ -368,23 +368,11 @@ fn resolve_global(module: &str, name: &str, offset: u64) -> Result<Global> {
         ("torch", "Tensor") | ("torch._tensor", "Tensor") => Global::TensorType,
         ("torch.nn.parameter", "Parameter") => Global::ParameterType,
         ("_codecs", "encode") => Global::CodecsEncode,
-        ("torch" | "torch.cuda", n)
-            if matches!(
-                n,
-                "DoubleTensor"
-                    | "FloatTensor"
-                    | "HalfTensor"
-                    | "BFloat16Tensor"
-                    | "LongTensor"
-                    | "IntTensor"
-                    | "ShortTensor"
-                    | "CharTensor"
-                    | "ByteTensor"
-                    | "BoolTensor"
-            ) =>
-        {
-            Global::TensorClass
-        }
+        (
+            "torch" | "torch.cuda",
+            "DoubleTensor" | "FloatTensor" | "HalfTensor" | "BFloat16Tensor" | "LongTensor" | "IntTensor"
+            | "ShortTensor" | "CharTensor" | "ByteTensor" | "BoolTensor",
+        ) => Global::TensorClass,
         ("builtins", "bytearray") => Global::Bytearray,
         (m, n) if (m == "torch" || m.starts_with("torch.")) && n.contains("Storage") => {
             // torch.load maps any "...Storage" name to its dtype (torch.cuda.HalfStorage too).
