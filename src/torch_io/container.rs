@@ -1,6 +1,7 @@
 //! The containers `torch.save` writes around its pickle: the zip archive (torch >= 1.6), the
 //! legacy pickle stream (torch 0.1.10 - 1.5, `_use_new_zipfile_serialization=False`), and the
 //! tar archive (torch < 0.1.10).
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{Read, Seek, Write};
 
@@ -83,10 +84,12 @@ struct ZipSource<'a, R: Read + Seek> {
     prefix: String,
     total_len: u64,
     big_endian: bool,
+    /// Reused across storages: one allocation for the largest, not one per storage.
+    scratch: Vec<u8>,
 }
 
 impl<R: Read + Seek> StorageSource for ZipSource<'_, R> {
-    fn bytes(&mut self, decl: &StorageDecl) -> Result<Vec<u8>> {
+    fn bytes(&mut self, decl: &StorageDecl) -> Result<Cow<'_, [u8]>> {
         let name = format!("{}data/{}", self.prefix, decl.key);
         let expected = decl.numel.saturating_mul(elem_size(decl.kind));
         read_entry(
@@ -95,7 +98,9 @@ impl<R: Read + Seek> StorageSource for ZipSource<'_, R> {
             expected,
             self.total_len,
             "the pickle references a storage the archive lacks",
-        )
+            &mut self.scratch,
+        )?;
+        Ok(Cow::Borrowed(&self.scratch))
     }
 
     fn big_endian(&self) -> bool {
@@ -111,7 +116,8 @@ fn read_entry<R: Read + Seek>(
     expected: u64,
     total_len: u64,
     hint: &'static str,
-) -> Result<Vec<u8>> {
+    buf: &mut Vec<u8>,
+) -> Result<()> {
     let file = match archive.by_name(name) {
         Ok(f) => f,
         Err(zip::result::ZipError::FileNotFound) => {
@@ -139,19 +145,17 @@ fn read_entry<R: Read + Seek>(
             message: format!("entry {name:?} claims {size} bytes (limit {limit})"),
         });
     }
-    let prealloc = size.min(total_len) as usize;
-    let mut buf = Vec::with_capacity(prealloc);
-    file.take(limit + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| TorchIoError::Zip {
-            message: format!("reading {name:?}: {e}"),
-        })?;
+    buf.clear();
+    buf.reserve(size.min(total_len) as usize);
+    file.take(limit + 1).read_to_end(buf).map_err(|e| TorchIoError::Zip {
+        message: format!("reading {name:?}: {e}"),
+    })?;
     if buf.len() as u64 != size {
         return Err(TorchIoError::Zip {
             message: format!("entry {name:?} holds {} bytes, its header says {size}", buf.len()),
         });
     }
-    Ok(buf)
+    Ok(())
 }
 
 pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: Option<Device>) -> Result<Value> {
@@ -199,7 +203,15 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
         Err(zip::result::ZipError::FileNotFound) => false,
         Err(e) => return Err(zip_err(e)),
     };
-    let data = read_entry(&mut archive, &format!("{prefix}data.pkl"), u64::MAX, total_len, "")?;
+    let mut data = Vec::new();
+    read_entry(
+        &mut archive,
+        &format!("{prefix}data.pkl"),
+        u64::MAX,
+        total_len,
+        "",
+        &mut data,
+    )?;
     let mut table = StorageTable::default();
     let pickle = pickle_read::parse(&data, 0, 0, &mut table)?;
     let mut source = ZipSource {
@@ -207,6 +219,7 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
         prefix,
         total_len,
         big_endian,
+        scratch: Vec::new(),
     };
     let mut mat = Materializer::new(&table.decls, &mut source, map_location);
     tree::to_value(&pickle, &mut mat, budget(data.len()))
@@ -214,29 +227,6 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
 
 // ---------------------------------------------------------------------------------------------
 // legacy pickle stream
-
-/// Storage bytes of a legacy file, located by key.
-struct LegacySource<'a> {
-    data: &'a [u8],
-    ranges: HashMap<String, (usize, usize)>,
-    big_endian: bool,
-}
-
-impl StorageSource for LegacySource<'_> {
-    fn bytes(&mut self, decl: &StorageDecl) -> Result<Vec<u8>> {
-        match self.ranges.get(&decl.key) {
-            Some(&(start, len)) => Ok(self.data[start..start + len].to_vec()),
-            None => Err(TorchIoError::StorageMismatch {
-                key: decl.key.clone(),
-                message: "referenced by the pickle but not in the file's storage list".into(),
-            }),
-        }
-    }
-
-    fn big_endian(&self) -> bool {
-        self.big_endian
-    }
-}
 
 fn int_value(p: &Pickle) -> Option<Result<i64, Vec<u8>>> {
     match &p.root {
@@ -338,7 +328,7 @@ pub(crate) fn read_legacy(data: &[u8], map_location: Option<Device>) -> Result<V
         }
         pos += nbytes as usize;
     }
-    let mut source = LegacySource {
+    let mut source = RangeSource {
         data,
         ranges,
         big_endian,
@@ -525,6 +515,7 @@ impl Persistent for TarPersistent {
     }
 }
 
+/// Storage bytes of a file held in memory (legacy, tar), located by key.
 struct RangeSource<'a> {
     data: &'a [u8],
     ranges: HashMap<String, (usize, usize)>,
@@ -532,9 +523,9 @@ struct RangeSource<'a> {
 }
 
 impl StorageSource for RangeSource<'_> {
-    fn bytes(&mut self, decl: &StorageDecl) -> Result<Vec<u8>> {
+    fn bytes(&mut self, decl: &StorageDecl) -> Result<Cow<'_, [u8]>> {
         match self.ranges.get(&decl.key) {
-            Some(&(start, len)) => Ok(self.data[start..start + len].to_vec()),
+            Some(&(start, len)) => Ok(Cow::Borrowed(&self.data[start..start + len])),
             None => Err(TorchIoError::StorageMismatch {
                 key: decl.key.clone(),
                 message: "no bytes in the file".into(),
@@ -804,9 +795,11 @@ pub(crate) fn write_zip<W: Write + Seek>(w: W, value: &Value) -> Result<W> {
     };
     record(&mut zip, "data.pkl", &pkl, 1)?;
     record(&mut zip, "byteorder", b"little", 1)?;
+    let mut buf = Vec::new();
     for s in &storages {
+        s.read_into(&mut buf)?;
         // 64-byte aligned, as torch.save aligns them (torch.load(mmap=True) maps them in place).
-        record(&mut zip, &format!("data/{}", s.key), &s.bytes, 64)?;
+        record(&mut zip, &format!("data/{}", s.key), &buf, 64)?;
     }
     record(&mut zip, "version", b"3\n", 1)?;
     zip.finish().map_err(zerr)

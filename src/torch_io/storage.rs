@@ -1,5 +1,6 @@
 //! Storages: from file bytes to shared tch storages (reading), from tch tensors to storage
 //! bytes (writing). Every tensor view is checked against its storage before libtorch sees it.
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use tch::{Device, Kind, Tensor};
@@ -11,7 +12,7 @@ use super::value::{format_path, PathSeg, Value};
 /// Hands out the raw bytes of a declared storage.
 pub(crate) trait StorageSource {
     /// The bytes of `decl`, exactly `numel × element size` of them (checked by the caller too).
-    fn bytes(&mut self, decl: &StorageDecl) -> Result<Vec<u8>>;
+    fn bytes(&mut self, decl: &StorageDecl) -> Result<Cow<'_, [u8]>>;
     /// Whether the file's storages are big-endian.
     fn big_endian(&self) -> bool;
 }
@@ -107,6 +108,7 @@ impl<'s> Materializer<'s> {
                 key: decl.key.clone(),
                 message: format!("{} elements overflow a byte count", decl.numel),
             })?;
+        let big_endian = self.source.big_endian();
         let mut bytes = self.source.bytes(decl)?;
         if bytes.len() as u64 != expected {
             return Err(TorchIoError::StorageSize {
@@ -115,8 +117,8 @@ impl<'s> Materializer<'s> {
                 found: bytes.len() as u64,
             });
         }
-        if self.source.big_endian() {
-            swap_bytes(&mut bytes, decl.kind);
+        if big_endian {
+            swap_bytes(bytes.to_mut(), decl.kind);
         }
         if kind == Kind::Bool {
             if let Some(i) = bytes.iter().position(|&b| b > 1) {
@@ -180,13 +182,44 @@ impl<'s> Materializer<'s> {
     }
 }
 
-/// One storage to write.
+/// One storage to write: its bytes are copied out of `tensor` (a view of it) when written.
 pub(crate) struct StorageOut {
     pub key: String,
     pub kind: Kind,
     pub numel: u64,
     pub location: String,
-    pub bytes: Vec<u8>,
+    tensor: Tensor,
+    path: String,
+}
+
+impl StorageOut {
+    /// Fills `buf` with the storage's first `numel` elements (a buffer reused across storages
+    /// keeps a large save from holding every storage twice).
+    pub(crate) fn read_into(&self, buf: &mut Vec<u8>) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let es = elem_size(self.kind);
+        let ctx = || format!("copying the storage of {}", self.path);
+        let numel = i64::try_from(self.numel).map_err(|_| TorchIoError::CannotSave {
+            path: self.path.clone(),
+            message: "storage too large".into(),
+        })?;
+        buf.clear();
+        buf.resize((self.numel * es) as usize, 0);
+        if numel > 0 {
+            let flat = self
+                .tensor
+                .f_detach()
+                .and_then(|d| d.f_as_strided([numel], [1], Some(0)))
+                .and_then(|f| f.f_to_device(Device::Cpu))
+                .and_then(|f| f.f_contiguous())
+                .map_err(torch_err(ctx()))?;
+            flat.f_copy_data_u8(buf, numel as usize).map_err(torch_err(ctx()))?;
+        }
+        if cfg!(target_endian = "big") {
+            swap_bytes(buf, self.kind);
+        }
+        Ok(())
+    }
 }
 
 /// One tensor to write, in tree order.
@@ -356,37 +389,17 @@ pub(crate) fn plan(value: &Value) -> Result<(Vec<TensorOut>, Vec<StorageOut>)> {
         });
         Ok(())
     })?;
-    let _guard = tch::no_grad_guard();
-    let mut storages = Vec::with_capacity(groups.len());
-    for (i, g) in groups.into_iter().enumerate() {
-        let es = elem_size(g.kind);
-        let ctx = || format!("copying the storage of {}", g.first_path);
-        let numel = i64::try_from(g.extent).map_err(|_| TorchIoError::CannotSave {
-            path: g.first_path.clone(),
-            message: "storage too large".into(),
-        })?;
-        let mut bytes = vec![0u8; (g.extent * es) as usize];
-        if numel > 0 {
-            let flat = g
-                .first
-                .f_detach()
-                .and_then(|d| d.f_as_strided([numel], [1], Some(0)))
-                .and_then(|f| f.f_to_device(Device::Cpu))
-                .and_then(|f| f.f_contiguous())
-                .map_err(torch_err(ctx()))?;
-            flat.f_copy_data_u8(&mut bytes, numel as usize)
-                .map_err(torch_err(ctx()))?;
-        }
-        if cfg!(target_endian = "big") {
-            swap_bytes(&mut bytes, g.kind);
-        }
-        storages.push(StorageOut {
+    let storages = groups
+        .into_iter()
+        .enumerate()
+        .map(|(i, g)| StorageOut {
             key: i.to_string(),
             kind: g.kind,
             numel: g.extent,
             location: g.location,
-            bytes,
-        });
-    }
+            tensor: g.first.shallow_clone(),
+            path: g.first_path,
+        })
+        .collect();
     Ok((tensors, storages))
 }
