@@ -113,6 +113,9 @@ def edge_tree():
         "odict": OrderedDict([("z", 1), ("a", 2)]),
         "with_metadata": meta,
         "bytes": b"\x00\x01\xff abc",
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "c64": torch.complex(torch.arange(3, dtype=torch.float32) / 2, -torch.arange(3, dtype=torch.float32) / 4),
+        "c128": torch.complex(torch.arange(2, dtype=torch.float64) / 2, torch.ones(2, dtype=torch.float64)),
     }
 
 
