@@ -583,6 +583,21 @@ fn rust_files_load_in_python_with_weights_only_true_and_false() {
         specs.push(format!("{}:{}", dst.display(), src.display()));
         trees.push((dst, v));
     }
+    // The same file as a big-endian machine writes it: torch.load and tch-amp both swap back.
+    let swapped = out.path().join("edge_big_endian.pt");
+    std::fs::write(
+        &swapped,
+        big_endian_copy(&std::fs::read(&edge).unwrap(), &manifest(&edge_tree())),
+    )
+    .unwrap();
+    specs.push(format!("{}:edge", swapped.display()));
+    trees.push((swapped.clone(), edge_tree()));
+    let back = torch_io::load(&swapped).unwrap();
+    assert_same_json(
+        &manifest(&back),
+        &manifest(&edge_tree()),
+        "edge_big_endian.pt read back",
+    );
     let report = out.path().join("report.json");
     let mut args = vec!["check".to_string(), report.display().to_string()];
     args.extend(specs);
@@ -600,6 +615,45 @@ fn rust_files_load_in_python_with_weights_only_true_and_false() {
     let archive = zip::ZipArchive::new(Cursor::new(&bytes)).unwrap();
     let storages = archive.file_names().filter(|n| n.starts_with("archive/data/")).count();
     assert_eq!(storages, 18, "one record per shared storage");
+}
+
+/// A tch-amp zip file rewritten as a big-endian machine would write it: `byteorder` = "big",
+/// every storage's elements (each component of a complex) byte-reversed. Storage keys are
+/// numbered in first-use order, as the manifest numbers storages, which gives each its dtype.
+fn big_endian_copy(file: &[u8], manifest: &Json) -> Vec<u8> {
+    fn dtypes(m: &Json, out: &mut HashMap<u64, String>) {
+        match m {
+            Json::Object(o) if o.get("t") == Some(&json!("tensor")) => {
+                let sid = o["storage"].as_u64().unwrap();
+                out.entry(sid)
+                    .or_insert_with(|| o["dtype"].as_str().unwrap().to_string());
+            }
+            Json::Object(o) => o.values().for_each(|v| dtypes(v, out)),
+            Json::Array(a) => a.iter().for_each(|v| dtypes(v, out)),
+            _ => {}
+        }
+    }
+    let mut kinds = HashMap::new();
+    dtypes(manifest, &mut kinds);
+    let mut zip = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    for (name, mut bytes) in records(file) {
+        if name == "archive/byteorder" {
+            bytes = b"big".to_vec();
+        }
+        if let Some(key) = name.strip_prefix("archive/data/") {
+            let n = match kinds[&key.parse::<u64>().unwrap()].as_str() {
+                "float64" | "int64" | "complex128" => 8,
+                "float32" | "int32" | "complex64" => 4,
+                "float16" | "bfloat16" | "int16" => 2,
+                _ => 1,
+            };
+            bytes.chunks_exact_mut(n).for_each(|c| c.reverse());
+        }
+        let opts = zip::write::FileOptions::default().compression_method(zip::CompressionMethod::Stored);
+        zip.start_file_aligned(name, opts, 64).unwrap();
+        zip.write_all(&bytes).unwrap();
+    }
+    zip.finish().unwrap().into_inner()
 }
 
 // ---------------------------------------------------------------------------------------------
