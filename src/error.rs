@@ -147,6 +147,9 @@ pub enum AmpError {
         #[source]
         source: std::io::Error,
     },
+    /// A `torch.save` file that cannot be read or written (see [`crate::torch_io`]).
+    #[error(transparent)]
+    TorchFile(#[from] crate::torch_io::TorchIoError),
     /// An aten operator name that the dispatcher does not know.
     #[error("unknown aten op {name:?}: {message}")]
     UnknownOp {

@@ -68,6 +68,9 @@
 //! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
 //!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
 //!   set-ups in the module [`cast`].
+//! - **PyTorch files** (`src/torch_io/`): the module [`torch_io`] reads every container
+//!   `torch.save` has written (zip, legacy pickle stream, tar) into a [`torch_io::Value`] tree
+//!   with tch tensors, and writes the zip format `torch.load` reads (`weights_only=True` too).
 //! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
@@ -96,6 +99,7 @@ mod model;
 mod optim;
 mod scaling;
 mod sys;
+pub mod torch_io;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
 pub use cast::disable::{disable_casts, without_casts};

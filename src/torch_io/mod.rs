@@ -1,0 +1,230 @@
+//! Reading and writing PyTorch `torch.save` files (`.pt`, `.pth`), without Python.
+//!
+//! [`load`] reads any container `torch.save` has written into a [`Value`] tree: the zip
+//! archive (torch >= 1.6), the legacy pickle stream (torch 0.1.10 to 1.5, or
+//! `_use_new_zipfile_serialization=False`) and the tar archive (torch < 0.1.10), with tensors as tch [`Tensor`](tch::Tensor)s that
+//! keep their dtype, shape, strides and storage offset, and share storage where the saved
+//! tensors did (tied weights stay tied). [`save`] writes a tree back as the zip archive, in a
+//! form that `torch.load(path)` reads under both `weights_only=True` (the default since torch
+//! 2.6) and `weights_only=False`.
+//!
+//! ```
+//! use tch::{Device, Kind, Tensor};
+//! use tch_amp::torch_io::{self, Dict, Value};
+//! # fn main() -> Result<(), tch_amp::torch_io::TorchIoError> {
+//! let w = Tensor::arange(6, (Kind::Float, Device::Cpu)).reshape([2, 3]);
+//! let model = Dict::new_ordered().with("fc.weight", Value::Tensor(w.shallow_clone()));
+//! let ckpt = Value::Dict(Dict::new().with("epoch", Value::Int(3)).with("model", Value::Dict(model)));
+//! let dir = std::env::temp_dir().join(format!("tch-amp-torch-io-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir).unwrap();
+//! let path = dir.join("ckpt.pt");
+//! torch_io::save(&path, &ckpt)?; // torch.load(path) reads it in Python
+//! let back = torch_io::load(&path)?;
+//! assert_eq!(back.get("epoch")?.as_i64()?, 3);
+//! assert!(back.get("model")?.get("fc.weight")?.as_tensor()?.equal(&w));
+//! // Errors name the path: "model has no key \"fc.bias\"".
+//! assert!(back.get("model")?.get("fc.bias").is_err());
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Safety against hostile files
+//! Unpickling is restricted to an allow-list, much like `torch.load(weights_only=True)`:
+//! `collections.OrderedDict`, torch's tensor rebuild functions (`_rebuild_tensor`,
+//! `_rebuild_tensor_v2`, `_rebuild_tensor_v3`, `_rebuild_parameter`,
+//! `_rebuild_parameter_with_state`, `_rebuild_from_type_v2` for plain tensors), the storage
+//! types (`torch.FloatStorage`, ..., `torch.cuda.HalfStorage`, ...), the dtypes, `torch.Size`,
+//! and `_codecs.encode` / `bytearray` for bytes. Any other global is a
+//! [`TorchIoError::DisallowedGlobal`] at the moment the pickle names it; nothing is ever
+//! imported or executed. Every tensor's shape, strides and offset are checked against its
+//! storage before libtorch sees them, storage sizes against the bytes in the file, and
+//! nesting depth and node count are bounded. A malformed file gives a typed error, never a
+//! panic or an out-of-bounds read.
+//!
+//! ## Differences from `torch.load` / `torch.save`
+//! - Only data is read: containers, numbers, strings, bytes and dense tensors. A pickled
+//!   module (`torch.save(model)`), a numpy array or scalar, a set, a `torch.device`, sparse or
+//!   quantized tensors are refused with a typed error naming what was found. Save
+//!   `model.state_dict()`.
+//! - Python ints beyond i64 are kept exactly as [`Value::BigInt`].
+//! - `OrderedDict` attributes (a state dict's `_metadata`) are kept and written back; a
+//!   tensor subclass's attributes (`_rebuild_from_type_v2` state) and backward hooks are
+//!   dropped. `requires_grad` is restored.
+//! - A Python 2 `str` (legacy files) becomes [`Value::Str`] when it is UTF-8, [`Value::Bytes`]
+//!   otherwise.
+//! - Bool storages must hold only 0 and 1.
+//! - Storage views of old files (a legacy or tar storage that is a slice of another): tch has
+//!   no storage slices, so such tensors view the root storage, their `storage_offset()` counted
+//!   from the root's start (Python counts from the slice's); memory and sharing are the same.
+//! - Writing: a storage is written once, however many tensors view it, but only up to the
+//!   last element any of them reaches (torch.save writes the whole storage), so a saved
+//!   slice does not drag its whole parent along. Storage keys are "0", "1", ... in tree order.
+//!   The whole file is built in a temporary file beside the target, synced and renamed over
+//!   it: a failed save leaves the previous file as it was.
+//!
+//! Legacy and tar files are read into memory whole; zip archives are read record by record.
+//! The tar format (torch < 0.1.10) is read as torch.load's `legacy_load` reads it (storages
+//! with their views, tensor records, then the object pickle); it is tested against archives
+//! built to that layout and checked with torch 2.13's own reader, not against files written
+//! by a torch of that era (torch 2.13 cannot write it, and refuses it under `weights_only=True`).
+use std::io::{BufWriter, Read, Seek, SeekFrom};
+use std::path::Path;
+
+use tch::Device;
+
+mod container;
+mod error;
+mod pickle_read;
+mod pickle_write;
+mod storage;
+mod tree;
+mod value;
+
+pub use error::{Result, TorchIoError};
+pub use value::{BigInt, Dict, Key, Node, Seg, Value};
+
+use error::io_err;
+
+/// Deepest nesting read or written (Python's own pickler stops near 1000 frames).
+pub(crate) const MAX_DEPTH: usize = 256;
+
+/// The container of a `torch.save` file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Format {
+    /// Zip archive (`<name>/data.pkl`, `<name>/data/<key>`): torch >= 1.6.
+    Zip,
+    /// Legacy pickle stream: torch 0.1.10 to 1.5, or `_use_new_zipfile_serialization=False`.
+    Legacy,
+    /// Tar archive: torch < 0.1.10.
+    Tar,
+}
+
+/// Options for [`load_with`] / [`load_bytes`].
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    map_location: Option<Device>,
+}
+
+impl LoadOptions {
+    /// Defaults: every storage goes to the device it was saved from, as `torch.load` without
+    /// `map_location` does (a CUDA checkpoint needs CUDA).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Puts every tensor on `device` (`torch.load(..., map_location=device)`).
+    pub fn map_location(mut self, device: Device) -> Self {
+        self.map_location = Some(device);
+        self
+    }
+}
+
+/// Which container `bytes` (the start of a file is enough: 512 bytes) hold, if any.
+pub fn detect_format(bytes: &[u8]) -> Option<Format> {
+    container::detect(bytes)
+}
+
+/// Reads a `torch.save` file, tensors on the devices they were saved from.
+///
+/// # Errors
+/// See [`load_with`].
+pub fn load(path: impl AsRef<Path>) -> Result<Value> {
+    load_with(path, &LoadOptions::default())
+}
+
+/// Reads a `torch.save` file.
+///
+/// # Errors
+/// [`TorchIoError::Io`] when the file cannot be read; [`TorchIoError::UnknownFormat`],
+/// [`TorchIoError::Zip`], [`TorchIoError::BadMagic`], [`TorchIoError::Truncated`],
+/// [`TorchIoError::Pickle`], [`TorchIoError::DisallowedGlobal`],
+/// [`TorchIoError::StorageOutOfBounds`], [`TorchIoError::UnknownDtype`] and the other
+/// variants for malformed or unsupported content.
+pub fn load_with(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Value> {
+    let path = path.as_ref();
+    let mut file = std::fs::File::open(path).map_err(io_err("opening", path))?;
+    let len = file.metadata().map_err(io_err("reading the size of", path))?.len();
+    let mut head = Vec::with_capacity(512);
+    (&mut file).take(512).read_to_end(&mut head).map_err(io_err("reading", path))?;
+    match container::detect(&head) {
+        Some(Format::Zip) => {
+            file.seek(SeekFrom::Start(0)).map_err(io_err("reading", path))?;
+            container::read_zip(std::io::BufReader::new(file), len, options.map_location)
+        }
+        Some(format @ (Format::Legacy | Format::Tar)) => {
+            let mut data = head;
+            data.reserve(len.saturating_sub(data.len() as u64) as usize);
+            file.read_to_end(&mut data).map_err(io_err("reading", path))?;
+            if format == Format::Tar {
+                container::read_tar(&data, options.map_location)
+            } else {
+                container::read_legacy(&data, options.map_location)
+            }
+        }
+        None => Err(container::unknown_format(&head)),
+    }
+}
+
+/// Reads a `torch.save` file held in memory.
+///
+/// # Errors
+/// As [`load_with`], less the I/O errors.
+pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
+    match container::detect(bytes) {
+        Some(Format::Zip) => container::read_zip(std::io::Cursor::new(bytes), bytes.len() as u64, options.map_location),
+        Some(Format::Legacy) => container::read_legacy(bytes, options.map_location),
+        Some(Format::Tar) => container::read_tar(bytes, options.map_location),
+        None => Err(container::unknown_format(bytes)),
+    }
+}
+
+/// Writes `value` to `path` as `torch.save` does (zip container, pickle protocol 2), readable
+/// by `torch.load` with `weights_only=True` or `False`.
+///
+/// The file is written to a temporary file in the same folder, synced, renamed over `path`,
+/// and the folder synced: `path` holds either the previous file or the complete new one, and
+/// no temporary file is left behind on error.
+///
+/// # Errors
+/// [`TorchIoError::CannotSave`] for values the format cannot hold (sparse or quantized
+/// tensors, tensors on other devices than CPU/CUDA, two dtypes viewing one storage,
+/// attributes on a plain dict), [`TorchIoError::TooDeep`], [`TorchIoError::Torch`] when
+/// reading a tensor fails, [`TorchIoError::Io`] when the file cannot be written.
+pub fn save(path: impl AsRef<Path>, value: &Value) -> Result<()> {
+    let path = path.as_ref();
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".tch-amp-save-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(io_err("creating a temporary file in", dir))?;
+    {
+        let tmp_path = tmp.path().to_path_buf();
+        let w = container::write_zip(BufWriter::new(tmp.as_file_mut()), value)?;
+        w.into_inner().map_err(|e| TorchIoError::Io { op: "writing", path: tmp_path, source: e.into_error() })?;
+    }
+    tmp.as_file().sync_all().map_err(io_err("syncing", path))?;
+    tmp.persist(path).map_err(|e| TorchIoError::Io {
+        op: "renaming a temporary file to",
+        path: path.to_path_buf(),
+        source: e.error,
+    })?;
+    // The rename is durable once the folder is synced (Unix; elsewhere opening a folder fails).
+    if cfg!(unix) {
+        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("syncing the folder", dir))?;
+    }
+    Ok(())
+}
+
+/// The bytes [`save`] would write.
+///
+/// # Errors
+/// As [`save`], less the I/O errors.
+pub fn save_bytes(value: &Value) -> Result<Vec<u8>> {
+    Ok(container::write_zip(std::io::Cursor::new(Vec::new()), value)?.into_inner())
+}
