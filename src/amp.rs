@@ -12,7 +12,7 @@ use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolic
 use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
-use crate::optim::{build_entries, AmpOptimizer, OptimizerConfig, OptimizerSetup};
+use crate::optim::{build_entries, Algorithm, AmpOptimizer, OptimizerConfig, OptimizerSetup};
 use crate::scaling::{self, AmpState, LossScaler};
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
@@ -275,9 +275,28 @@ impl Amp {
         lr: f64,
     ) -> Result<AmpOptimizer> {
         let entries = build_entries(vs, prefixes, self.plan.masters)?;
-        let setup =
-            OptimizerSetup { amp_id: self.id, disable_casts_in_step: self.plan.o1, verbosity: self.props.verbosity() };
-        AmpOptimizer::new(setup, config.into(), lr, entries)
+        let config = config.into();
+        let setup = OptimizerSetup {
+            amp_id: self.id,
+            disable_casts_in_step: self.plan.o1,
+            verbosity: self.props.verbosity(),
+            fp32_optimizer_state: self.props.fp32_optimizer_state(),
+        };
+        let opt = AmpOptimizer::new(setup, config, lr, entries)?;
+        if self.props.verbosity() >= 1 && !setup.fp32_optimizer_state && opt.has_low_precision_params_without_masters()
+        {
+            if let Algorithm::Adam(_) | Algorithm::AdamW(_) = config.algorithm() {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    eprintln!(
+                        "tch-amp: warning: Adam/AdamW over fp16/bf16 parameters without fp32 masters (O3) keeps its \
+                         state in fp16, as Apex does: eps=1e-8 rounds to 0 and small squared gradients underflow, so \
+                         the weights can turn NaN; AmpConfig::fp32_optimizer_state(true) updates them in fp32"
+                    )
+                });
+            }
+        }
+        Ok(opt)
     }
 
     /// [`Self::scale_loss_with`] for loss 0, no delay.

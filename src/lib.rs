@@ -110,7 +110,9 @@ pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};
 pub use error::{AmpError, Result};
 pub use model::{AmpModel, CastReport};
-pub use optim::{unscale_, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome};
+pub use optim::{
+    unscale_, Algorithm, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome,
+};
 pub use scaling::{AmpState, LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.

@@ -39,6 +39,7 @@ pub struct AmpConfig {
     pub(super) allow_banned: Option<bool>,
     pub(super) emulate_low_precision_on_cpu: Option<bool>,
     pub(super) cast_policy: Option<CastPolicy>,
+    pub(super) fp32_optimizer_state: Option<bool>,
 }
 
 impl AmpConfig {
@@ -200,6 +201,19 @@ impl AmpConfig {
     /// rounded inputs and round the outputs. `false` uses libtorch's native half kernels.
     pub fn emulate_low_precision_on_cpu(mut self, on: bool) -> Self {
         self.emulate_low_precision_on_cpu = Some(on);
+        self
+    }
+
+    /// Update fp16/bf16 parameters that have no fp32 master (O3, or O2 with
+    /// `master_weights(false)`) in fp32 with fp32 optimizer state, rounding the result once
+    /// (default false: Apex's O3, where the user's optimizer runs on the fp16 parameters with
+    /// fp16 state, as torch.optim does). In fp16, Adam's `eps = 1e-8` rounds to 0 and
+    /// `(1 - beta2) * g^2` underflows for small gradients, so Apex's O3 with Adam divides 0 by 0
+    /// and the weights turn NaN at the first step; this option avoids that at the cost of
+    /// 4 extra bytes per parameter and state element. tch-amp prints a one-time warning at
+    /// verbosity >= 1 when an Adam/AdamW optimizer is built over such parameters without it.
+    pub fn fp32_optimizer_state(mut self, on: bool) -> Self {
+        self.fp32_optimizer_state = Some(on);
         self
     }
 

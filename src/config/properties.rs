@@ -22,6 +22,7 @@ pub struct Properties {
     pub(super) verbosity: u8,
     pub(super) cast_settings: CastSettings,
     pub(super) cast_policy: CastPolicy,
+    pub(super) fp32_optimizer_state: bool,
 }
 
 impl Properties {
@@ -82,5 +83,10 @@ impl Properties {
     /// The O1 cast policy (Apex's lists unless another was given).
     pub fn cast_policy(&self) -> &CastPolicy {
         &self.cast_policy
+    }
+    /// Whether fp16/bf16 parameters without masters are updated in fp32 with fp32 optimizer
+    /// state (see [`crate::AmpConfig::fp32_optimizer_state`]; default false, as Apex).
+    pub fn fp32_optimizer_state(&self) -> bool {
+        self.fp32_optimizer_state
     }
 }

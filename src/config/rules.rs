@@ -147,6 +147,7 @@ impl AmpConfig {
                 emulate_low_precision_on_cpu: self.emulate_low_precision_on_cpu.unwrap_or(true),
             },
             cast_policy: self.cast_policy.clone().unwrap_or_else(CastPolicy::apex),
+            fp32_optimizer_state: self.fp32_optimizer_state.unwrap_or(false),
         })
     }
 }

@@ -7,7 +7,7 @@ use tch::{Device, Kind, Tensor};
 use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::record::{OptimizerRecord, ParamRecord};
-use super::rules::{state_kind, Optimizer, OptimizerConfig};
+use super::rules::{Optimizer, OptimizerConfig};
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 
 /// What [`AmpOptimizer::step`] did.
@@ -83,6 +83,8 @@ pub(crate) struct OptimizerSetup {
     pub(crate) disable_casts_in_step: bool,
     /// Apex's verbosity: 1 prints the overflow lines.
     pub(crate) verbosity: u8,
+    /// Update fp16/bf16 parameters without masters in fp32 with fp32 state.
+    pub(crate) fp32_optimizer_state: bool,
 }
 
 /// An optimizer under AMP. Made by [`crate::Amp::optimizer`] or [`crate::initialize`].
@@ -109,7 +111,7 @@ impl AmpOptimizer {
     ) -> Result<Self> {
         let params = entries.iter().map(|e| e.update_target().shallow_clone()).collect();
         let groups = entries.iter().map(ParamEntry::group).collect();
-        let inner = Optimizer::new(config, lr, params, groups)?;
+        let inner = Optimizer::new(config, lr, params, groups, setup.fp32_optimizer_state)?;
         let stash = entries.iter().map(|_| None).collect();
         Ok(Self { setup, inner, entries, stash, scaled_pending: false, skip_next: None, steps: 0, skipped: 0 })
     }
@@ -281,6 +283,12 @@ impl AmpOptimizer {
             let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
         }
         total.f_double_value(&[]).ctx("reading the gradient norm")
+    }
+
+    /// Whether some fp16/bf16 parameter has no fp32 master (O3): the optimizer steps it in its
+    /// own dtype unless `fp32_optimizer_state` is on.
+    pub(crate) fn has_low_precision_params_without_masters(&self) -> bool {
+        self.entries.iter().any(|e| e.master().is_none() && crate::dtype::is_low_precision(e.model().kind()))
     }
 
     /// For each parameter, whether it has an fp32 master.
@@ -459,7 +467,7 @@ impl AmpOptimizer {
             }
             let mut buffers = BTreeMap::new();
             for (name, (k, v)) in expected.iter().zip(p.buffers) {
-                let v = staged_tensor(&format!("{}/{k}", p.name), v, target, state_kind(target.kind()))?;
+                let v = staged_tensor(&format!("{}/{k}", p.name), v, target, self.inner.state_kind(target.kind()))?;
                 buffers.insert(*name, v);
             }
             let master = match (e.master(), p.master) {

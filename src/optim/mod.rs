@@ -13,4 +13,4 @@ pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use grads::unscale_;
 pub(crate) use params::build_entries;
 pub use record::{OptimizerRecord, ParamRecord};
-pub use rules::OptimizerConfig;
+pub use rules::{Algorithm, OptimizerConfig};

@@ -19,7 +19,9 @@ mod optim;
 
 pub(crate) use autocast::{autocast_clear_cache, autocast_get, autocast_set, find_schema};
 pub(crate) use grads::{set_grad, total_norm, unscale_};
-pub(crate) use optim::{fused_adam_, FusedAdamArgs};
+pub(crate) use optim::{
+    add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, FusedAdamArgs,
+};
 
 extern "C" {
     fn tch_amp_free_error(err: *mut c_char);

@@ -1,10 +1,13 @@
-//! libtorch's fused Adam/AdamW kernels (`src/shim/optim.cpp`).
+//! The optimizers' libtorch calls tch's generated API lacks: the fused Adam/AdamW kernels
+//! (`src/shim/optim.cpp`), and `add(other, alpha)`, `addcmul(t1, t2, value)` and
+//! `addcdiv(t1, t2, value)` with their scalar (`src/shim/optim_ops.cpp`): one kernel with one
+//! rounding, as in torch.optim, so tch-amp's updates reproduce torch's bits.
 use std::ffi::{c_char, c_int};
 
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-use super::{check, ptrs};
+use super::{check, ptr, ptrs};
 use crate::error::{AmpError, Result};
 
 extern "C" {
@@ -24,7 +27,27 @@ extern "C" {
         eps: f64,
         amsgrad: c_int,
         adamw: c_int,
+        maximize: c_int,
     ) -> *mut c_char;
+    fn tch_amp_optim_add_(self_: *mut C_tensor, other: *mut C_tensor, alpha: f64) -> *mut c_char;
+    fn tch_amp_optim_add(
+        self_: *mut C_tensor,
+        other: *mut C_tensor,
+        alpha: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+    fn tch_amp_optim_addcmul_(self_: *mut C_tensor, t1: *mut C_tensor, t2: *mut C_tensor, value: f64) -> *mut c_char;
+    fn tch_amp_optim_addcmul(
+        self_: *mut C_tensor,
+        t1: *mut C_tensor,
+        t2: *mut C_tensor,
+        value: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+    fn tch_amp_optim_addcdiv_(self_: *mut C_tensor, t1: *mut C_tensor, t2: *mut C_tensor, value: f64) -> *mut c_char;
+    fn tch_amp_optim_mul_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
+    fn tch_amp_optim_add_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
+    fn tch_amp_optim_div_float(self_: *mut C_tensor, value: f64, out: *mut *mut C_tensor) -> *mut c_char;
 }
 
 /// The tensors of one fused Adam/AdamW call; every list has one entry per parameter
@@ -43,12 +66,12 @@ pub(crate) struct FusedAdamArgs<'a> {
 pub(crate) fn fused_adam_(
     t: &FusedAdamArgs<'_>,
     lr: f64,
-    beta1: f64,
-    beta2: f64,
+    (beta1, beta2): (f64, f64),
     weight_decay: f64,
     eps: f64,
     amsgrad: bool,
     adamw: bool,
+    maximize: bool,
 ) -> Result<()> {
     let (p, n) = ptrs(t.params, "fused_adam")?;
     let lists = [t.grads, t.exp_avgs, t.exp_avg_sqs, t.steps];
@@ -80,8 +103,71 @@ pub(crate) fn fused_adam_(
                 eps,
                 c_int::from(amsgrad),
                 c_int::from(adamw),
+                c_int::from(maximize),
             )
         },
         "fused_adam",
     )
+}
+
+/// Wraps a tensor the shim allocated with `new at::Tensor`.
+fn owned(out: *mut C_tensor) -> Tensor {
+    // SAFETY: on success the shim stored a fresh `new at::Tensor` in `out`; tch takes ownership
+    // and frees it.
+    unsafe { Tensor::from_ptr(out) }
+}
+
+/// `t.add_(other, alpha=alpha)`.
+pub(crate) fn add_(t: &Tensor, other: &Tensor, alpha: f64) -> Result<()> {
+    // SAFETY: both are live at::Tensor handles for the duration of the call.
+    check(unsafe { tch_amp_optim_add_(ptr(t), ptr(other), alpha) }, "add_")
+}
+
+/// `t.add(other, alpha=alpha)`.
+pub(crate) fn add(t: &Tensor, other: &Tensor, alpha: f64) -> Result<Tensor> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: live handles in; `out` receives a new at::Tensor on success.
+    check(unsafe { tch_amp_optim_add(ptr(t), ptr(other), alpha, &mut out) }, "add")?;
+    Ok(owned(out))
+}
+
+/// `t.addcmul_(t1, t2, value=value)`.
+pub(crate) fn addcmul_(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: live at::Tensor handles for the duration of the call.
+    check(unsafe { tch_amp_optim_addcmul_(ptr(t), ptr(t1), ptr(t2), value) }, "addcmul_")
+}
+
+/// `t.addcmul(t1, t2, value=value)`.
+pub(crate) fn addcmul(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: live handles in; `out` receives a new at::Tensor on success.
+    check(unsafe { tch_amp_optim_addcmul(ptr(t), ptr(t1), ptr(t2), value, &mut out) }, "addcmul")?;
+    Ok(owned(out))
+}
+
+/// `t.addcdiv_(t1, t2, value=value)`.
+pub(crate) fn addcdiv_(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: live at::Tensor handles for the duration of the call.
+    check(unsafe { tch_amp_optim_addcdiv_(ptr(t), ptr(t1), ptr(t2), value) }, "addcdiv_")
+}
+
+/// `t.mul_(value)` with `value` passed as Python passes a float (a wrapped number, kept in full
+/// precision into the kernel's math; tch's `mul_scalar_` rounds it to an fp16 tensor's dtype).
+pub(crate) fn mul_float_(t: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: a live at::Tensor handle for the duration of the call.
+    check(unsafe { tch_amp_optim_mul_float_(ptr(t), value) }, "mul_")
+}
+
+/// `t.add_(value)` with `value` passed as Python passes a float.
+pub(crate) fn add_float_(t: &Tensor, value: f64) -> Result<()> {
+    // SAFETY: a live at::Tensor handle for the duration of the call.
+    check(unsafe { tch_amp_optim_add_float_(ptr(t), value) }, "add_")
+}
+
+/// `t / value` with `value` passed as Python passes a float.
+pub(crate) fn div_float(t: &Tensor, value: f64) -> Result<Tensor> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: a live handle in; `out` receives a new at::Tensor on success.
+    check(unsafe { tch_amp_optim_div_float(ptr(t), value, &mut out) }, "div")?;
+    Ok(owned(out))
 }

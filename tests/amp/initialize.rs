@@ -304,28 +304,41 @@ fn o2_on_cpu_emulates_half_gemms() {
     assert!(!native.casts_active());
 }
 
-/// Under O3 the fp16 weights are updated in fp32 with fp32 optimizer state: PyTorch's Adam on
-/// fp16 parameters rounds eps (1e-8) to 0 and divides by an underflowed second moment, giving
-/// NaN weights after one step on small gradients (this repro did, before the fix).
+/// O3 with Adam on tiny gradients: as under Apex (the optimizer on the fp16 parameters with fp16
+/// state, tch-amp's default) eps = 1e-8 rounds to 0 in fp16 and the squared gradients underflow,
+/// so the first step divides by zero and the weights stop being finite; with
+/// `fp32_optimizer_state(true)` the fp16 weights are updated in fp32 with fp32 state and stay
+/// finite.
 #[test]
-fn o3_adam_on_tiny_gradients_stays_finite() {
-    tch::manual_seed(0);
-    let vs = VarStore::new(Device::Cpu);
-    let fc = nn::linear(vs.root() / "fc", 64, 10, Default::default());
-    let (model, mut opt, mut amp) =
-        initialize(&vs, fc, nn::Adam::default(), 1e-3, &AmpConfig::new(OptLevel::O3)).unwrap();
-    let x = Tensor::randn([32, 64], (Kind::Float, Device::Cpu)) * 1e-3;
-    let y = Tensor::randint(10, [32], (Kind::Int64, Device::Cpu));
-    for _ in 0..5 {
-        opt.zero_grad().unwrap();
-        let loss = model.forward(&x).cross_entropy_for_logits(&y);
-        assert!(loss.double_value(&[]).is_finite());
-        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
-        assert!(opt.step().unwrap().stepped());
-        let w = &vs.variables()["fc.weight"];
-        assert_eq!(w.kind(), Kind::Half);
-        assert_eq!(w.isnan().sum(Kind::Int64).int64_value(&[]), 0, "NaN in the fp16 weights");
-    }
-    // The state is fp32: 2 (weight) + 2 (fp16 grad, kept until zero_grad) + 8 (Adam).
-    assert_eq!(opt.memory().bytes_per_param(), 12.0);
+fn o3_adam_on_tiny_gradients_apex_state_and_fp32_state() {
+    let run = |fp32_state: bool| {
+        let vs = VarStore::new(Device::Cpu);
+        let fc = nn::linear(vs.root() / "fc", 64, 10, Default::default());
+        deterministic_init(&vs);
+        let cfg = AmpConfig::new(OptLevel::O3).fp32_optimizer_state(fp32_state).verbosity(0);
+        let (model, mut opt, mut amp) = initialize(&vs, fc, nn::Adam::default(), 1e-3, &cfg).unwrap();
+        let x = (Tensor::arange(32 * 64, (Kind::Float, Device::Cpu)) * 0.37).sin().reshape([32, 64]) * 1e-3;
+        let y = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(10);
+        let mut finite_after = Vec::new();
+        for _ in 0..5 {
+            opt.zero_grad().unwrap();
+            let loss = model.forward(&x).cross_entropy_for_logits(&y);
+            amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+            assert!(opt.step().unwrap().stepped(), "static scale 1: O3 never skips");
+            let w = &vs.variables()["fc.weight"];
+            assert_eq!(w.kind(), Kind::Half);
+            finite_after.push(w.isfinite().all().int64_value(&[]) == 1);
+        }
+        (finite_after, opt.memory().bytes_per_param(), opt.to_record())
+    };
+    let (finite, bytes, record) = run(true);
+    assert_eq!(finite, vec![true; 5], "fp32 state keeps the fp16 weights finite");
+    // fp32 state: 2 (weight) + 2 (fp16 grad, kept until zero_grad) + 8 (Adam's two moments).
+    assert_eq!(bytes, 12.0);
+    assert!(record.params.iter().all(|p| p.buffers.values().all(|b| b.kind() == Kind::Float)));
+    let (finite, bytes, record) = run(false);
+    assert!(!finite[0], "Apex's O3 Adam on fp16 state: non-finite weights after the first step");
+    // fp16 state: 2 + 2 + 4.
+    assert_eq!(bytes, 8.0);
+    assert!(record.params.iter().all(|p| p.buffers.values().all(|b| b.kind() == Kind::Half)));
 }

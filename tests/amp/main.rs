@@ -11,6 +11,7 @@ mod memory;
 mod multiple_models;
 mod opt_levels;
 mod optim;
+mod optim_bitwise;
 mod scaler;
 mod state_dict;
 mod unscale;

@@ -1,5 +1,7 @@
 //! Shared helpers of the integration test binaries (tests/amp, tests/o1, tests/cuda).
 #![allow(dead_code)]
+pub mod reference;
+
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::{install_policy, ActivePolicyGuard, PolicyHandle};
