@@ -73,5 +73,6 @@ extern "C" {
         eps: f64,
         amsgrad: c_int,
         adamw: c_int,
+        maximize: c_int,
     ) -> *mut c_char;
 }

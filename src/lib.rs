@@ -79,6 +79,7 @@ mod master_weights;
 mod model;
 mod opt_level;
 mod optim;
+mod optim_sys;
 mod properties;
 mod scaler;
 pub mod o1;
@@ -95,7 +96,7 @@ pub use error::{AmpError, Result};
 pub use grads::unscale_;
 pub use model::AmpModel;
 pub use opt_level::{LevelDefaults, OptLevel};
-pub use optim::OptimizerConfig;
+pub use optim::{Algorithm, OptimizerConfig};
 pub use properties::{LossScale, Properties};
 pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState, GROWTH_INTERVAL, INITIAL_DYNAMIC_SCALE};
 

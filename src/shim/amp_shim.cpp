@@ -108,11 +108,11 @@ extern "C" {
 // One fused Adam (adamw = 0) or AdamW (adamw = 1) update of n fp32 parameters with
 // libtorch's multi-tensor kernel (what torch.optim.Adam(fused=True) runs): params, grads,
 // exp_avgs, exp_avg_sqs and (amsgrad) max_exp_avg_sqs are updated in place; steps are 0-dim
-// fp32 tensors holding each parameter's step count after this update.
+// fp32 tensors holding each parameter's step count after this update; maximize as torch's.
 char* tch_amp_fused_adam_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
                           at::Tensor** exp_avg_sqs, at::Tensor** max_exp_avg_sqs, at::Tensor** steps,
                           int n, double lr, double beta1, double beta2, double weight_decay, double eps,
-                          int amsgrad, int adamw) {
+                          int amsgrad, int adamw, int maximize) {
   TCH_AMP_PROTECT({
     auto list = [n](at::Tensor** ts) {
       std::vector<at::Tensor> v;
@@ -125,9 +125,9 @@ char* tch_amp_fused_adam_(at::Tensor** params, at::Tensor** grads, at::Tensor** 
     auto mx = amsgrad ? list(max_exp_avg_sqs) : std::vector<at::Tensor>();
     auto s = list(steps);
     if (adamw) {
-      at::_fused_adamw_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, false);
+      at::_fused_adamw_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, maximize != 0);
     } else {
-      at::_fused_adam_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, false);
+      at::_fused_adam_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, maximize != 0);
     }
   })
 }
