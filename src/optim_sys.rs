@@ -13,8 +13,12 @@ use crate::grads::ptr;
 
 extern "C" {
     fn tch_amp_optim_add_(self_: *mut C_tensor, other: *mut C_tensor, alpha: f64) -> *mut c_char;
-    fn tch_amp_optim_add(self_: *mut C_tensor, other: *mut C_tensor, alpha: f64, out: *mut *mut C_tensor)
-        -> *mut c_char;
+    fn tch_amp_optim_add(
+        self_: *mut C_tensor,
+        other: *mut C_tensor,
+        alpha: f64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
     fn tch_amp_optim_addcmul_(self_: *mut C_tensor, t1: *mut C_tensor, t2: *mut C_tensor, value: f64) -> *mut c_char;
     fn tch_amp_optim_addcmul(
         self_: *mut C_tensor,
@@ -50,19 +54,28 @@ pub(crate) fn add(t: &Tensor, other: &Tensor, alpha: f64) -> Result<Tensor> {
 /// `t.addcmul_(t1, t2, value=value)`.
 pub(crate) fn addcmul_(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
     // SAFETY: live at::Tensor handles for the duration of the call.
-    ffi::check(unsafe { tch_amp_optim_addcmul_(ptr(t), ptr(t1), ptr(t2), value) }, "addcmul_")
+    ffi::check(
+        unsafe { tch_amp_optim_addcmul_(ptr(t), ptr(t1), ptr(t2), value) },
+        "addcmul_",
+    )
 }
 
 /// `t.addcmul(t1, t2, value=value)`.
 pub(crate) fn addcmul(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<Tensor> {
     let mut out: *mut C_tensor = std::ptr::null_mut();
     // SAFETY: live handles in; `out` receives a new at::Tensor on success.
-    ffi::check(unsafe { tch_amp_optim_addcmul(ptr(t), ptr(t1), ptr(t2), value, &mut out) }, "addcmul")?;
+    ffi::check(
+        unsafe { tch_amp_optim_addcmul(ptr(t), ptr(t1), ptr(t2), value, &mut out) },
+        "addcmul",
+    )?;
     Ok(owned(out))
 }
 
 /// `t.addcdiv_(t1, t2, value=value)`.
 pub(crate) fn addcdiv_(t: &Tensor, t1: &Tensor, t2: &Tensor, value: f64) -> Result<()> {
     // SAFETY: live at::Tensor handles for the duration of the call.
-    ffi::check(unsafe { tch_amp_optim_addcdiv_(ptr(t), ptr(t1), ptr(t2), value) }, "addcdiv_")
+    ffi::check(
+        unsafe { tch_amp_optim_addcdiv_(ptr(t), ptr(t1), ptr(t2), value) },
+        "addcdiv_",
+    )
 }

@@ -27,11 +27,15 @@ fn fixture() -> Fixture {
 }
 
 fn f(case: &Value, key: &str) -> f64 {
-    case[key].as_f64().unwrap_or_else(|| panic!("{}: {key} is not a number", case["name"]))
+    case[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{}: {key} is not a number", case["name"]))
 }
 
 fn b(case: &Value, key: &str) -> bool {
-    case[key].as_bool().unwrap_or_else(|| panic!("{}: {key} is not a bool", case["name"]))
+    case[key]
+        .as_bool()
+        .unwrap_or_else(|| panic!("{}: {key} is not a bool", case["name"]))
 }
 
 /// The tch-amp configuration of a case, every hyper-parameter from the fixture (tch's defaults
@@ -49,9 +53,23 @@ fn config(case: &Value) -> OptimizerConfig {
             let (beta1, beta2) = (case["betas"][0].as_f64().unwrap(), case["betas"][1].as_f64().unwrap());
             let (wd, eps, amsgrad) = (f(case, "weight_decay"), f(case, "eps"), b(case, "amsgrad"));
             let cfg: OptimizerConfig = if kind == "Adam" {
-                nn::Adam { beta1, beta2, wd, eps, amsgrad }.into()
+                nn::Adam {
+                    beta1,
+                    beta2,
+                    wd,
+                    eps,
+                    amsgrad,
+                }
+                .into()
             } else {
-                nn::AdamW { beta1, beta2, wd, eps, amsgrad }.into()
+                nn::AdamW {
+                    beta1,
+                    beta2,
+                    wd,
+                    eps,
+                    amsgrad,
+                }
+                .into()
             };
             cfg.fused(b(case, "fused"))
         }
@@ -74,7 +92,12 @@ fn shapes(case: &Value) -> Vec<(String, Vec<i64>)> {
         .as_object()
         .unwrap()
         .iter()
-        .map(|(n, s)| (n.clone(), s.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect()))
+        .map(|(n, s)| {
+            (
+                n.clone(),
+                s.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect(),
+            )
+        })
         .collect();
     v.sort();
     v
@@ -120,7 +143,11 @@ fn run_case(fx: &Fixture, case: &Value, variant: Variant) -> Vec<String> {
         let group = case["groups"][n.as_str()].as_u64().unwrap() as usize;
         let _ = vs.root().set_group(group).var_copy(n, t);
     }
-    let level = if variant == Variant::Fp32 { OptLevel::O0 } else { OptLevel::O2 };
+    let level = if variant == Variant::Fp32 {
+        OptLevel::O0
+    } else {
+        OptLevel::O2
+    };
     let mut amp = Amp::new(&AmpConfig::new(level).verbosity(0)).unwrap();
     let _model = amp.cast_model(&vs, ()).unwrap();
     let mut opt = amp.optimizer(&vs, config(case), lr0).unwrap();
@@ -150,7 +177,9 @@ fn run_case(fx: &Fixture, case: &Value, variant: Variant) -> Vec<String> {
                 failures.push(format!("{prefix} step {step} {n}: {}", describe_diff(&got, want)));
             }
             if variant == Variant::O2 && !bits_equal(&vars[n], &want.to_kind(Kind::Half)) {
-                failures.push(format!("{prefix} step {step} {n}: the fp16 model is not the rounded master"));
+                failures.push(format!(
+                    "{prefix} step {step} {n}: the fp16 model is not the rounded master"
+                ));
             }
         }
         if !failures.is_empty() {
@@ -169,7 +198,10 @@ fn run_case(fx: &Fixture, case: &Value, variant: Variant) -> Vec<String> {
         .filter_map(|k| k.strip_prefix(&format!("{prefix}state/")))
         .map(|s| s.split('/').next().unwrap())
         .collect();
-    assert!(!buffers.is_empty() || case["optimizer"] == "SGD", "{prefix}: fixture has no state");
+    assert!(
+        !buffers.is_empty() || case["optimizer"] == "SGD",
+        "{prefix}: fixture has no state"
+    );
     for buf in buffers {
         let want = split(fx.get(&format!("{prefix}state/{buf}")), &shapes);
         for (n, want) in names.iter().zip(&want) {
@@ -177,7 +209,10 @@ fn run_case(fx: &Fixture, case: &Value, variant: Variant) -> Vec<String> {
             if !ckpt.has(&key) {
                 failures.push(format!("{prefix} state {n}/{buf}: missing from tch-amp's state"));
             } else if !bits_equal(ckpt.get(&key), want) {
-                failures.push(format!("{prefix} state {n}/{buf}: {}", describe_diff(ckpt.get(&key), want)));
+                failures.push(format!(
+                    "{prefix} state {n}/{buf}: {}",
+                    describe_diff(ckpt.get(&key), want)
+                ));
             }
         }
     }
@@ -197,7 +232,12 @@ fn run_all(variant: Variant) {
         }
         failures.extend(f);
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -217,11 +257,16 @@ fn fused_is_only_for_adam_and_adamw() {
     let vs = VarStore::new(Device::Cpu);
     let _ = vs.root().var_copy("w", &Tensor::from_slice(&[1.0f32, 2.0]));
     let amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
-    for cfg in [OptimizerConfig::from(nn::sgd(0.9, 0.0, 0.0, false)), nn::rms_prop(0.99, 1e-8, 0.0, 0.0, false).into()] {
+    for cfg in [
+        OptimizerConfig::from(nn::sgd(0.9, 0.0, 0.0, false)),
+        nn::rms_prop(0.99, 1e-8, 0.0, 0.0, false).into(),
+    ] {
         match amp.optimizer(&vs, cfg.fused(true), 0.1) {
             Err(tch_amp::AmpError::InvalidOption { option: "fused", .. }) => {}
             other => panic!("fused {cfg:?}: {other:?}"),
         }
     }
-    assert!(amp.optimizer(&vs, OptimizerConfig::from(nn::adam(0.9, 0.999, 0.0)).fused(true), 0.1).is_ok());
+    assert!(amp
+        .optimizer(&vs, OptimizerConfig::from(nn::adam(0.9, 0.999, 0.0)).fused(true), 0.1)
+        .is_ok());
 }

@@ -42,7 +42,9 @@ impl Fixture {
     }
 
     pub fn get(&self, name: &str) -> &Tensor {
-        self.tensors.get(name).unwrap_or_else(|| panic!("fixture has no tensor {name}"))
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("fixture has no tensor {name}"))
     }
 
     pub fn has(&self, name: &str) -> bool {
@@ -50,7 +52,10 @@ impl Fixture {
     }
 
     pub fn meta_json(&self, key: &str) -> serde_json::Value {
-        let s = self.metadata.get(key).unwrap_or_else(|| panic!("fixture metadata has no {key}"));
+        let s = self
+            .metadata
+            .get(key)
+            .unwrap_or_else(|| panic!("fixture metadata has no {key}"));
         serde_json::from_str(s).unwrap_or_else(|e| panic!("fixture metadata {key}: {e}"))
     }
 }
@@ -74,12 +79,26 @@ pub fn bits_equal(a: &Tensor, b: &Tensor) -> bool {
 /// A short description of how `got` differs from `want` (count of differing elements, max |diff|).
 pub fn describe_diff(got: &Tensor, want: &Tensor) -> String {
     if got.size() != want.size() || got.kind() != want.kind() {
-        return format!("shape/dtype {:?} {:?} vs {:?} {:?}", got.size(), got.kind(), want.size(), want.kind());
+        return format!(
+            "shape/dtype {:?} {:?} vs {:?} {:?}",
+            got.size(),
+            got.kind(),
+            want.size(),
+            want.kind()
+        );
     }
     let g = got.to_kind(Kind::Double);
     let w = want.to_kind(Kind::Double);
     let differ = i64::try_from(g.ne_tensor(&w).sum(Kind::Int64)).unwrap();
     let max = f64::try_from((&g - &w).abs().nan_to_num(0.0, None, None).max()).unwrap();
-    let rel = f64::try_from(((&g - &w).abs() / w.abs().clamp_min(1e-30)).nan_to_num(0.0, None, None).max()).unwrap();
-    format!("{differ}/{} elements differ, max |diff| {max:e}, max rel {rel:e}", got.numel())
+    let rel = f64::try_from(
+        ((&g - &w).abs() / w.abs().clamp_min(1e-30))
+            .nan_to_num(0.0, None, None)
+            .max(),
+    )
+    .unwrap();
+    format!(
+        "{differ}/{} elements differ, max |diff| {max:e}, max rel {rel:e}",
+        got.numel()
+    )
 }

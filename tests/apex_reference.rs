@@ -1,0 +1,406 @@
+//! tch-amp against a step-by-step reference of Apex's algorithm, bit for bit, at every opt
+//! level, with CPU emulation of fp16 GEMMs/convolutions off and on.
+//!
+//! The reference is scripts/reference/apex_reference.py (plain torch, run here with the venv's
+//! python, `TCH_AMP_PYTHON`, written by `make setup`): its docstring spells out what each opt
+//! level does. It runs at test time, on this machine, because GEMM and convolution results depend
+//! on the CPU's kernels (summation order); both sides use one intra-op thread. Three
+//! scenarios (an MLP with batch norm and SGD momentum, 32 steps; a small CNN with batch norm,
+//! max-pool, global average pool and Adam, 16 steps; a pre-LN transformer encoder block with SGD
+//! momentum, 16 steps), each under O0, O1, O2, O2 with keep_batchnorm_fp32=False, O2 with a
+//! static loss scale of 128, and O3; runs with a dynamic scale get two injected overflows
+//! (the loss is multiplied by 2^15 at two steps: those steps are skipped and the scale halves).
+//! Compared at every step: the loss (fp32 bits), the loss scale, whether the step was skipped;
+//! at the end: every model variable (weights, batch-norm running stats) and the fp32 masters.
+//!
+//! Emulation off is compared with the reference's native runs (libtorch's fp16 CPU kernels, as
+//! the user's PyTorch script ran). Emulation on is compared with the reference's "+emulated"
+//! runs, which compute linear, conv2d and matmul by the emulation contract (fp32 compute of the
+//! rounded fp16 inputs, output rounded once; backward through the same casts): that checks the
+//! whole emulated path (O1 casts, cast cache, emulation-only inner policy, backward rounding
+//! points) bit for bit. Whether the emulated runs also equal the native ones depends on the CPU:
+//! where libtorch's native fp16 kernel sums in another order than the fp32 kernel (on an
+//! AVX512-FP16 CPU: oneDNN's fp16 batched matmul and convolution backward), a result near a
+//! rounding midpoint rounds to the other fp16 neighbour and training drifts from there; the
+//! test prints, per run, whether the two references agree.
+//!
+//! tch-amp's O3 still updates fp16 parameters in fp32 with fp32 state (issue 10 item 2): the
+//! tests compare it with the reference's "O3_fp32_state" run; `o3_apex_fp16_optimizer_state`
+//! (ignored until item 2 lands) compares with Apex's own O3, whose optimizer state is fp16.
+mod reference_support;
+
+use std::sync::OnceLock;
+
+use reference_support::{bits_equal, describe_diff, Fixture};
+use tch::nn::{self, Module, ModuleT, VarStore};
+use tch::{Device, Kind, Tensor};
+use tch_amp::{Amp, AmpConfig, OptLevel, OptimizerConfig};
+
+const H: i64 = 2; // attention heads
+
+fn python() -> String {
+    std::env::var("TCH_AMP_PYTHON")
+        .ok()
+        .or_else(|| option_env!("TCH_AMP_PYTHON").map(str::to_string))
+        .expect("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)")
+}
+
+/// The reference's output (safetensors bytes), computed once per test binary.
+fn reference() -> &'static [u8] {
+    static REF: OnceLock<Vec<u8>> = OnceLock::new();
+    REF.get_or_init(|| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/reference/apex_reference.py");
+        let out = std::process::Command::new(python())
+            .args([script, "--out", "-", "--threads", "1"])
+            .output()
+            .expect("running scripts/reference/apex_reference.py");
+        assert!(
+            out.status.success(),
+            "apex_reference.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    })
+}
+
+// ---- The models, as a tch user writes them ------------------------------------------------------
+
+#[derive(Debug)]
+struct Mlp {
+    fc1: nn::Linear,
+    bn1: nn::BatchNorm,
+    fc2: nn::Linear,
+}
+
+impl Mlp {
+    fn new(p: &nn::Path) -> Self {
+        Self {
+            fc1: nn::linear(p / "fc1", 16, 32, Default::default()),
+            bn1: nn::batch_norm1d(p / "bn1", 32, Default::default()),
+            fc2: nn::linear(p / "fc2", 32, 10, Default::default()),
+        }
+    }
+}
+
+impl ModuleT for Mlp {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.fc2
+            .forward(&self.bn1.forward_t(&self.fc1.forward(xs), train).relu())
+    }
+}
+
+#[derive(Debug)]
+struct Cnn {
+    conv1: nn::Conv2D,
+    bn1: nn::BatchNorm,
+    conv2: nn::Conv2D,
+    fc: nn::Linear,
+}
+
+impl Cnn {
+    fn new(p: &nn::Path) -> Self {
+        let pad = nn::ConvConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        Self {
+            conv1: nn::conv2d(p / "conv1", 3, 8, 3, pad),
+            bn1: nn::batch_norm2d(p / "bn1", 8, Default::default()),
+            conv2: nn::conv2d(p / "conv2", 8, 16, 3, pad),
+            fc: nn::linear(p / "fc", 16, 10, Default::default()),
+        }
+    }
+}
+
+impl ModuleT for Cnn {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let h = self.bn1.forward_t(&self.conv1.forward(xs), train).relu();
+        let h = h.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+        let h = self.conv2.forward(&h).relu();
+        self.fc.forward(&h.mean_dim([2i64, 3].as_slice(), false, None))
+    }
+}
+
+#[derive(Debug)]
+struct Block {
+    ln1: nn::LayerNorm,
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    head: nn::Linear,
+}
+
+impl Block {
+    fn new(p: &nn::Path) -> Self {
+        let lin = |name: &str, i, o| nn::linear(p / name, i, o, Default::default());
+        Self {
+            ln1: nn::layer_norm(p / "ln1", vec![16], Default::default()),
+            q: lin("q", 16, 16),
+            k: lin("k", 16, 16),
+            v: lin("v", 16, 16),
+            proj: lin("proj", 16, 16),
+            ln2: nn::layer_norm(p / "ln2", vec![16], Default::default()),
+            fc1: lin("fc1", 16, 64),
+            fc2: lin("fc2", 64, 16),
+            head: lin("head", 16, 10),
+        }
+    }
+}
+
+impl ModuleT for Block {
+    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+        let (b, t, d) = xs.size3().unwrap();
+        let dh = d / H;
+        let h = self.ln1.forward(xs);
+        let heads = |l: &nn::Linear| l.forward(&h).reshape([b, t, H, dh]).transpose(1, 2);
+        let (q, k, v) = (heads(&self.q), heads(&self.k), heads(&self.v));
+        let scores = q.matmul(&k.transpose(-2, -1)) / (dh as f64).sqrt();
+        let attn = scores.softmax(-1, None::<Kind>);
+        let o = attn.matmul(&v).transpose(1, 2).reshape([b, t, d]);
+        let x = xs + self.proj.forward(&o);
+        let h = self.fc2.forward(&self.fc1.forward(&self.ln2.forward(&x)).gelu("none"));
+        let x = &x + h;
+        self.head.forward(&x.mean_dim(1, false, None))
+    }
+}
+
+#[derive(Debug)]
+enum Net {
+    Mlp(Mlp),
+    Cnn(Cnn),
+    Block(Block),
+}
+
+impl ModuleT for Net {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        match self {
+            Net::Mlp(m) => m.forward_t(xs, train),
+            Net::Cnn(m) => m.forward_t(xs, train),
+            Net::Block(m) => m.forward_t(xs, train),
+        }
+    }
+}
+
+// ---- One run --------------------------------------------------------------------------------
+
+fn amp_config(run: &str) -> AmpConfig {
+    match run {
+        "O0" => AmpConfig::new(OptLevel::O0),
+        "O1" => AmpConfig::new(OptLevel::O1),
+        "O2" => AmpConfig::new(OptLevel::O2),
+        "O2_keep_bn_fp16" => AmpConfig::new(OptLevel::O2).keep_batchnorm_fp32(false),
+        "O2_static128" => AmpConfig::new(OptLevel::O2).loss_scale(128.0),
+        "O3" | "O3_fp32_state" => AmpConfig::new(OptLevel::O3),
+        other => panic!("unknown run {other}"),
+    }
+}
+
+/// Runs `scenario` under `run` with tch-amp; returns the mismatches with the reference.
+fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String> {
+    let meta = &fx.meta_json("scenarios")[scenario];
+    let steps = meta["steps"].as_i64().unwrap();
+    let inject: Vec<i64> = meta["inject"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    let factor = meta["inject_factor"].as_f64().unwrap();
+    let tag = format!("{scenario} {run} emulation {}", if emulate { "on" } else { "off" });
+
+    let vs = VarStore::new(Device::Cpu);
+    let net = match scenario {
+        "mlp" => Net::Mlp(Mlp::new(&vs.root())),
+        "cnn" => Net::Cnn(Cnn::new(&vs.root())),
+        "transformer" => Net::Block(Block::new(&vs.root())),
+        other => panic!("unknown scenario {other}"),
+    };
+    let vars = vs.variables();
+    let init_prefix = format!("{scenario}/init/");
+    let mut n_init = 0;
+    tch::no_grad(|| {
+        for (k, t) in &fx.tensors {
+            if let Some(name) = k.strip_prefix(&init_prefix) {
+                let mut v = vars
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{tag}: no variable {name}"))
+                    .shallow_clone();
+                v.copy_(t);
+                n_init += 1;
+            }
+        }
+    });
+    assert_eq!(
+        n_init,
+        vars.len(),
+        "{tag}: the reference does not initialize every variable"
+    );
+
+    let config = amp_config(run).verbosity(0).emulate_low_precision_on_cpu(emulate);
+    let dynamic = matches!(config.build().unwrap().loss_scale, tch_amp::LossScale::Dynamic);
+    let mut amp = Amp::new(&config).unwrap();
+    let model = amp.cast_model(&vs, net).unwrap();
+    let optim: OptimizerConfig = match meta["optimizer"].as_str().unwrap() {
+        "SGD" => nn::Sgd {
+            momentum: meta["momentum"].as_f64().unwrap(),
+            dampening: 0.0,
+            wd: 0.0,
+            nesterov: false,
+        }
+        .into(),
+        "Adam" => nn::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            wd: 0.0,
+            eps: 1e-8,
+            amsgrad: false,
+        }
+        .into(),
+        other => panic!("unknown optimizer {other}"),
+    };
+    let mut opt = amp.optimizer(&vs, optim, meta["lr"].as_f64().unwrap()).unwrap();
+
+    // Emulation on follows tch-amp's emulation contract (fp32 compute of the rounded inputs,
+    // rounded once): the reference's "+emulated" runs; O0 has nothing to emulate.
+    let prefix = if emulate && run != "O0" {
+        format!("{scenario}/{run}+emulated/")
+    } else {
+        format!("{scenario}/{run}/")
+    };
+    let (xs, ys) = (fx.get(&format!("{scenario}/x")), fx.get(&format!("{scenario}/y")));
+    let (want_loss, want_scale, want_skip) = (
+        fx.get(&format!("{prefix}loss")),
+        fx.get(&format!("{prefix}scale")),
+        fx.get(&format!("{prefix}skipped")),
+    );
+    let mut failures = Vec::new();
+    for step in 0..steps {
+        opt.zero_grad().unwrap();
+        let out = model.forward_t(&xs.get(step), true);
+        let loss = out.cross_entropy_for_logits(&ys.get(step));
+        let user_loss = if dynamic && inject.contains(&step) {
+            &loss * factor
+        } else {
+            loss.shallow_clone()
+        };
+        let so = amp.scale_loss(&user_loss, &mut [&mut opt], |l| l.backward()).unwrap();
+        let skipped = !opt.step().unwrap().stepped();
+        let got = loss.detach().to_kind(Kind::Float);
+        let want = want_loss.get(step);
+        if !bits_equal(&got, &want) {
+            let (g, w) = (got.double_value(&[]), want.double_value(&[]));
+            failures.push(format!(
+                "{tag}: loss differs from step {step} (rel {:.1e})",
+                ((g - w) / w).abs()
+            ));
+        }
+        if so.loss_scale != want_scale.double_value(&[step]) {
+            failures.push(format!(
+                "{tag}: step {step} loss scale {} vs {}",
+                so.loss_scale,
+                want_scale.double_value(&[step])
+            ));
+        }
+        if i64::from(skipped) != want_skip.int64_value(&[step]) {
+            failures.push(format!("{tag}: step {step} skipped {skipped} vs reference"));
+        }
+        if !failures.is_empty() {
+            break;
+        }
+    }
+    // Final variables (weights and batch-norm running stats) and masters.
+    for (name, v) in &vars {
+        let want = fx.get(&format!("{prefix}final/{name}"));
+        if !bits_equal(v, want) {
+            failures.push(format!("{tag}: final {name}: {}", describe_diff(v, want)));
+        }
+    }
+    for (name, m) in opt.param_names().iter().zip(opt.master_params()) {
+        let key = format!("{prefix}master/{name}");
+        if fx.has(&key) && !bits_equal(&m, fx.get(&key)) {
+            failures.push(format!("{tag}: master {name}: {}", describe_diff(&m, fx.get(&key))));
+        }
+    }
+    failures
+}
+
+const RUNS: [&str; 6] = ["O0", "O1", "O2", "O2_keep_bn_fp16", "O2_static128", "O3_fp32_state"];
+
+fn check(scenario: &str, emulate: bool, runs: &[&str]) {
+    tch::set_num_threads(1);
+    let fx = Fixture::parse(reference());
+    let mut failures = Vec::new();
+    for run in runs {
+        let f = run_one(&fx, scenario, run, emulate);
+        println!(
+            "{scenario} {run} emulation {emulate}: {}",
+            if f.is_empty() { "bit for bit" } else { "DIFFERS" }
+        );
+        if emulate && *run != "O0" {
+            let native = format!("{scenario}/{run}/");
+            let agree = fx.tensors.iter().filter(|(k, _)| k.starts_with(&native)).all(|(k, t)| {
+                bits_equal(
+                    t,
+                    fx.get(&k.replacen(&native, &format!("{scenario}/{run}+emulated/"), 1)),
+                )
+            });
+            println!(
+                "  (reference: emulated and native fp16 kernels {} on this CPU)",
+                if agree { "agree" } else { "differ" }
+            );
+        }
+        failures.extend(f);
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn mlp_batchnorm_sgd_emulation_off() {
+    check("mlp", false, &RUNS);
+}
+
+#[test]
+fn mlp_batchnorm_sgd_emulation_on() {
+    check("mlp", true, &RUNS);
+}
+
+#[test]
+fn cnn_adam_emulation_off() {
+    check("cnn", false, &RUNS);
+}
+
+#[test]
+fn cnn_adam_emulation_on() {
+    check("cnn", true, &RUNS);
+}
+
+#[test]
+fn transformer_block_sgd_emulation_off() {
+    check("transformer", false, &RUNS);
+}
+
+#[test]
+fn transformer_block_sgd_emulation_on() {
+    check("transformer", true, &RUNS);
+}
+
+/// Apex's O3: the user's optimizer on the fp16 parameters, fp16 state (Adam on the CNN turns
+/// the weights to NaN at the second step, as under Apex).
+#[test]
+#[ignore = "issue 10 item 2: tch-amp's O3 still keeps fp32 optimizer state"]
+fn o3_apex_fp16_optimizer_state() {
+    for scenario in ["mlp", "cnn", "transformer"] {
+        for emulate in [false, true] {
+            check(scenario, emulate, &["O3"]);
+        }
+    }
+}
