@@ -26,7 +26,9 @@ use crate::error::{AmpError, Result, TorchContext};
 /// fused=False`, what torch.optim runs for CPU tensors): the same libtorch ops in the same
 /// order, so a ported script's weights and optimizer state equal its Python run's bit for bit.
 /// [`OptimizerConfig::fused`] selects libtorch's fused Adam/AdamW kernel instead (torch's
-/// `fused=True`): faster on large models, numerically different in the last bits.
+/// `fused=True`): one kernel per learning rate instead of about ten per parameter (2.5-15x
+/// faster optimizer steps on CPU, more the more parameter tensors), equal to torch's
+/// `fused=True` bit for bit but not to its default in the last bits.
 ///
 /// ```
 /// use tch::nn;
