@@ -56,7 +56,7 @@ fn reference() -> &'static [u8] {
             .expect("running scripts/reference/apex_reference.py");
         assert!(
             out.status.success(),
-            "apex_reference.py failed: {}",
+            "apex_reference.py failed (its venv needs requirements.txt: torch==2.13.0, safetensors): {}",
             String::from_utf8_lossy(&out.stderr)
         );
         out.stdout
@@ -252,6 +252,7 @@ fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String
             nesterov: false,
         }
         .into(),
+        // torch.optim.Adam's defaults, as the script uses them.
         "Adam" => nn::Adam {
             beta1: 0.9,
             beta2: 0.999,
