@@ -69,6 +69,21 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
+thread_local! {
+    /// Gradient inspections beyond the overflow flag made on this thread (see
+    /// [`crate::diagnostics::gradient_scans`]).
+    static GRADIENT_SCANS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Inspections beyond the overflow flag made on this thread so far.
+pub(crate) fn gradient_scans() -> u64 {
+    GRADIENT_SCANS.with(|c| c.get())
+}
+
+fn count_scan() {
+    GRADIENT_SCANS.with(|c| c.set(c.get() + 1));
+}
+
 #[derive(Debug, Clone)]
 struct PendingSkip {
     loss_id: usize,
@@ -376,6 +391,7 @@ impl AmpOptimizer {
     /// The parameters whose gradients hold inf or NaN, in model order, with counts (one host
     /// read). Run on the overflow path only.
     pub(crate) fn non_finite_grads(&self) -> Result<Vec<NonFiniteGrad>> {
+        count_scan();
         let _no_grad = tch::no_grad_guard();
         let mut order: Vec<&ParamEntry> = self.entries.iter().collect();
         order.sort_by_key(|e| e.order());
@@ -406,6 +422,7 @@ impl AmpOptimizer {
     /// Whether every gradient is exactly zero (`None` when no parameter has one); one host
     /// read. Run only with the scale at its floor.
     pub(crate) fn grads_all_zero(&self) -> Result<Option<bool>> {
+        count_scan();
         let _no_grad = tch::no_grad_guard();
         let mut nonzero = Vec::new();
         for e in &self.entries {

@@ -8,8 +8,8 @@ mod params;
 mod record;
 mod rules;
 
+pub(crate) use amp_optimizer::{gradient_scans, CollapseInfo, OptimizerSetup};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
-pub(crate) use amp_optimizer::{CollapseInfo, OptimizerSetup};
 pub use grads::unscale_;
 pub(crate) use params::build_entries;
 pub use record::{OptimizerRecord, ParamRecord};

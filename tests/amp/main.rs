@@ -11,6 +11,8 @@ mod memory;
 mod multiple_models;
 mod opt_levels;
 mod optim;
+mod reliability;
 mod scaler;
+mod soak;
 mod state_dict;
 mod unscale;
