@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod bad_calls;
 mod checkpointing;
 mod clip;
 mod foundation;
