@@ -6,6 +6,7 @@ mod common;
 mod bad_calls;
 mod checkpointing;
 mod clip;
+mod crash;
 mod foundation;
 mod initialize;
 mod memory;
