@@ -107,7 +107,7 @@ pub(crate) struct CollapseInfo {
 
 impl CollapseInfo {
     fn error(self) -> AmpError {
-        let last_pass = self.first_pass + self.passes.saturating_sub(1);
+        let last_pass = self.first_pass.saturating_add(self.passes.saturating_sub(1));
         let (loss_id, first_pass, passes, loss_scale) = (self.loss_id, self.first_pass, self.passes, self.loss_scale);
         if self.overflow {
             AmpError::ScaleCollapsed { loss_id, first_pass, last_pass, passes, loss_scale, params: self.params }
@@ -297,7 +297,7 @@ impl AmpOptimizer {
             // only the masters of fp16 variables, so an fp32 variable's inf survives into the
             // next pass when the caller accumulates without zero_grad.)
             self.zero_grad()?;
-            self.skipped += 1;
+            self.skipped = self.skipped.saturating_add(1);
             self.vanished = None;
             self.last_overflow = Some(skip.report);
             if let Some(collapse) = skip.collapse {
@@ -323,7 +323,7 @@ impl AmpOptimizer {
         for m in self.entries.iter().filter_map(ParamEntry::master) {
             clear_grad(m)?;
         }
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         Ok(StepOutcome::Stepped)
     }
 
@@ -619,6 +619,12 @@ impl AmpOptimizer {
             )));
         }
         let lr_ok = |lr: f64| lr.is_finite() && lr >= 0.0;
+        let groups = self.param_groups();
+        if let Some(g) = record.group_lr.keys().find(|g| !groups.contains(g)) {
+            return Err(mismatch(format!(
+                "the record sets the learning rate of group {g}, this optimizer's groups are {groups:?}"
+            )));
+        }
         if !lr_ok(record.lr) || record.group_lr.values().any(|&v| !lr_ok(v)) {
             return Err(mismatch(format!(
                 "learning rates {} / {:?} must be finite and >= 0",

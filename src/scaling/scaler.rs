@@ -361,6 +361,12 @@ impl LossScaler {
             ));
         }
         if let Some(left) = state.hysteresis_left {
+            if self.hysteresis == 1 || !self.dynamic {
+                return Err(format!(
+                    "hysteresis_left {left} given, but this scaler has no hysteresis (set AmpConfig::hysteresis as the \
+                     run that wrote it did)"
+                ));
+            }
             if left == 0 || left > self.hysteresis {
                 return Err(format!(
                     "hysteresis_left {left} must lie in 1..={} (this scaler's hysteresis)",

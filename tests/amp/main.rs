@@ -8,6 +8,7 @@ mod checkpointing;
 mod clip;
 mod crash;
 mod foundation;
+mod fuzz;
 mod initialize;
 mod memory;
 mod multiple_models;
