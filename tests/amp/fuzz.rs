@@ -166,7 +166,7 @@ fn fuzz_state_dict_loader() {
         Tiny::new(AmpConfig::new(OptLevel::O2)),
     ]);
     let (accepted, rejected) = (Cell::new(0u32), Cell::new(0u32));
-    let mut r = runner(20_000, 61);
+    let mut r = runner(30_000, 61);
     r.run(&near_valid_state(), |state| {
         for t in targets.borrow_mut().iter_mut() {
             let before = t.amp.scalers().to_vec();
@@ -191,7 +191,7 @@ fn fuzz_state_dict_loader() {
     })
     .unwrap();
     let (accepted, rejected) = (accepted.get(), rejected.get());
-    eprintln!("fuzz state dict: 40000 loads, {accepted} accepted, {rejected} rejected");
+    eprintln!("fuzz state dict: 30000 states, 60000 loads, {accepted} accepted, {rejected} rejected");
     assert!(accepted > 1000 && rejected > 1000, "{accepted} / {rejected}");
 }
 
@@ -513,7 +513,7 @@ fn fuzz_checkpoint_loader() {
     let path = dir.path().join("case.safetensors");
     let again = dir.path().join("again.safetensors");
     let (accepted, rejected) = (Cell::new(0u32), Cell::new(0u32));
-    let mut r = runner(20_000, 62);
+    let mut r = runner(10_000, 62);
     r.run(&(any::<bool>(), mutation()), |(which, m)| {
         let which = usize::from(which);
         let bytes = mutate(&bases[which], &m);
@@ -552,8 +552,8 @@ fn fuzz_checkpoint_loader() {
     })
     .unwrap();
     let (accepted, rejected) = (accepted.get(), rejected.get());
-    eprintln!("fuzz checkpoints: 20000 mutated files, {accepted} accepted (re-saved identically), {rejected} rejected");
-    assert!(accepted > 100 && rejected > 10_000, "{accepted} / {rejected}");
+    eprintln!("fuzz checkpoints: 10000 mutated files, {accepted} accepted (re-saved identically), {rejected} rejected");
+    assert!(accepted > 100 && rejected > 5000, "{accepted} / {rejected}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -626,7 +626,7 @@ fn fuzz_cast_files() {
     let valid = CastPolicy::apex().to_toml_string().unwrap();
     let policy = RefCell::new(CastPolicy::apex());
     let (accepted, rejected, installed) = (Cell::new(0u32), Cell::new(0u32), Cell::new(0u32));
-    let mut r = runner(30_000, 63);
+    let mut r = runner(45_000, 63);
     r.run(&user_casts_text(), |text| {
         let mut policy = policy.borrow_mut();
         let before = policy.clone();
@@ -657,7 +657,7 @@ fn fuzz_cast_files() {
     })
     .unwrap();
     let mutated = (any::<bool>(), prop::collection::vec((any::<prop::sample::Index>(), any::<char>()), 1..4));
-    let mut r = runner(10_000, 64);
+    let mut r = runner(15_000, 64);
     let (p_ok, p_err) = (Cell::new(0u32), Cell::new(0u32));
     r.run(
         &prop_oneof![policy_text().prop_map(|t| (t, vec![])), mutated.prop_map(|(_, e)| (String::new(), e))],
@@ -687,8 +687,8 @@ fn fuzz_cast_files() {
     let (accepted, rejected, installed, p_ok, p_err) =
         (accepted.get(), rejected.get(), installed.get(), p_ok.get(), p_err.get());
     eprintln!(
-        "fuzz cast files: 30000 user casts ({accepted} accepted, {installed} installed and run, {rejected} rejected), \
-         10000 policies ({p_ok} accepted, {p_err} rejected)"
+        "fuzz cast files: 45000 user casts ({accepted} accepted, {installed} installed and run, {rejected} rejected), \
+         15000 policies ({p_ok} accepted, {p_err} rejected)"
     );
     assert!(accepted > 1000 && rejected > 1000 && p_ok > 100 && p_err > 1000);
 }
