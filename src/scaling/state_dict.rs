@@ -37,11 +37,10 @@ pub(crate) fn parse_state(scalers: &[LossScaler], state: &Value) -> Result<Parse
     if obj.len() != n {
         return Err(mismatch(format!("the state holds {} loss scalers, this Amp has num_losses = {n}", obj.len())));
     }
-    for i in 0..n {
+    for (i, scaler) in scalers.iter().enumerate() {
         let key = format!("loss_scaler{i}");
         let v = obj.get(&key).ok_or_else(|| mismatch(format!("missing {key}")))?;
         let s: ScalerState = serde_json::from_value(v.clone()).map_err(|e| mismatch(format!("{key}: {e}")))?;
-        let scaler = &scalers[i];
         scaler.check_state(&s, scaler.growth_interval()).map_err(|e| mismatch(format!("{key}: {e}")))?;
         parsed.push(s);
     }
@@ -93,8 +92,7 @@ fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value
     if !(backoff > 0.0 && backoff < 1.0) {
         return Err(mismatch(format!("backoff_factor {backoff} must be in (0, 1)")));
     }
-    if !(interval >= 1.0
-        && interval <= MAX_INTERVAL
+    if !((1.0..=MAX_INTERVAL).contains(&interval)
         && interval.fract() == 0.0
         && tracker >= 0.0
         && tracker.fract() == 0.0)

@@ -33,8 +33,11 @@ fn loss(r: &Run, seed: i64) -> Tensor {
     r.model.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean)
 }
 
-/// Weights, masters, optimizer state and the AMP state, for "nothing changed".
-fn snapshot(r: &Run) -> (Vec<(String, Tensor)>, Vec<Tensor>, String, (u64, u64)) {
+/// Weights, masters and optimizer state, the AMP state, the step counts.
+type Snapshot = (Vec<(String, Tensor)>, Vec<Tensor>, String, (u64, u64));
+
+/// Everything a call could change, for "nothing changed".
+fn snapshot(r: &Run) -> Snapshot {
     let mut vars: Vec<(String, Tensor)> = r.vs.variables().into_iter().map(|(k, v)| (k, v.copy())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut state: Vec<Tensor> = r.opt.master_params().iter().map(Tensor::copy).collect();
@@ -44,7 +47,7 @@ fn snapshot(r: &Run) -> (Vec<(String, Tensor)>, Vec<Tensor>, String, (u64, u64))
     (vars, state, r.amp.state_dict_json(), r.opt.step_counts())
 }
 
-fn assert_unchanged(before: &(Vec<(String, Tensor)>, Vec<Tensor>, String, (u64, u64)), r: &Run, what: &str) {
+fn assert_unchanged(before: &Snapshot, r: &Run, what: &str) {
     let after = snapshot(r);
     assert_eq!(before.0.len(), after.0.len());
     for ((n, a), (_, b)) in before.0.iter().zip(&after.0) {

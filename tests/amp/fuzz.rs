@@ -249,7 +249,9 @@ impl Ckpt {
 }
 
 /// The file's tensors (name -> dtype, shape, bytes) and its tch-amp metadata.
-fn contents(bytes: &[u8]) -> (BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, Value) {
+type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+fn contents(bytes: &[u8]) -> (Tensors, Value) {
     let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
     let tensors = st
         .tensors()
@@ -277,7 +279,9 @@ fn json_eq(a: &Value, b: &Value) -> bool {
 }
 
 /// Everything a load may change: variables, masters, optimizer records, AMP state, counters.
-fn ckpt_snapshot(c: &Ckpt) -> (Vec<Tensor>, String, Vec<(u64, u64, String)>) {
+type Snapshot = (Vec<Tensor>, String, Vec<(u64, u64, String)>);
+
+fn ckpt_snapshot(c: &Ckpt) -> Snapshot {
     let vars: BTreeMap<String, Tensor> = c.vs.variables().into_iter().collect();
     let mut tensors: Vec<Tensor> = vars.values().map(Tensor::copy).collect();
     let mut meta = vec![];
@@ -293,10 +297,7 @@ fn ckpt_snapshot(c: &Ckpt) -> (Vec<Tensor>, String, Vec<(u64, u64, String)>) {
     (tensors, c.amp.state_dict_json(), meta)
 }
 
-fn same_snapshot(
-    a: &(Vec<Tensor>, String, Vec<(u64, u64, String)>),
-    b: &(Vec<Tensor>, String, Vec<(u64, u64, String)>),
-) -> bool {
+fn same_snapshot(a: &Snapshot, b: &Snapshot) -> bool {
     // NaN equals NaN here: an accepted file with an extreme learning rate may have made the state NaN.
     let same = |x: &Tensor, y: &Tensor| {
         x.size() == y.size()

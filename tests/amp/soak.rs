@@ -124,7 +124,7 @@ fn soak(level: OptLevel, two: bool, seed: u64) -> Summary {
         for o in opts.iter_mut() {
             o.zero_grad().unwrap();
         }
-        for loss_id in 0..num_losses {
+        for (loss_id, replay) in replays.iter_mut().enumerate() {
             let (x, y) = batch((step * num_losses + loss_id) as i64, 16);
             let out = model.forward_t(&x, true);
             let loss = if loss_id == 0 {
@@ -144,11 +144,11 @@ fn soak(level: OptLevel, two: bool, seed: u64) -> Summary {
                 })
                 .unwrap();
             assert_eq!(outcome.overflow, inject.is_some(), "step {step} loss {loss_id}: overflow flag");
-            replays[loss_id].pass(inject.is_some());
+            replay.pass(inject.is_some());
             let scaler = amp.scaler(loss_id).unwrap();
             assert_eq!(
                 (scaler.loss_scale(), scaler.unskipped()),
-                (replays[loss_id].scale, replays[loss_id].unskipped),
+                (replay.scale, replay.unskipped),
                 "step {step} loss {loss_id}: the scale left Apex's trajectory"
             );
             if let Some(i) = inject {
@@ -159,7 +159,7 @@ fn soak(level: OptLevel, two: bool, seed: u64) -> Summary {
                     nan: u64::from(i.value.is_nan()),
                 };
                 assert_eq!(report.params, [want], "step {step}: diagnostics");
-                assert_eq!(report.new_loss_scale, replays[loss_id].scale);
+                assert_eq!(report.new_loss_scale, replay.scale);
             }
         }
         for (k, o) in opts.iter_mut().enumerate() {
