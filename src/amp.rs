@@ -12,8 +12,8 @@ use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolic
 use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
-use crate::optim::{build_entries, Algorithm, AmpOptimizer, OptimizerConfig, OptimizerSetup};
-use crate::scaling::{self, AmpState, LossScaler};
+use crate::optim::{build_entries, Algorithm, AmpOptimizer, CollapseInfo, OptimizerConfig, OptimizerSetup};
+use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport};
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -104,7 +104,8 @@ pub struct ScaleLossOutcome {
     /// The gradients were left scaled (`delay_unscale`).
     pub delayed: bool,
     /// The loss went to `backward` unscaled and unchecked (disabled AMP, or static scale 1.0
-    /// without master weights, as in Apex).
+    /// without master weights, as in Apex, unless
+    /// [`crate::AmpConfig::check_static_overflow`] is on).
     pub passed_through: bool,
 }
 
@@ -118,6 +119,7 @@ pub struct Amp {
     props: Properties,
     plan: Plan,
     scalers: Vec<LossScaler>,
+    last_overflows: Vec<Option<OverflowReport>>,
     casts: Option<CastRuntime>,
     _thread_bound: PhantomData<*const ()>,
 }
@@ -142,7 +144,8 @@ impl Amp {
     /// As [`Self::new`], for the cast policy.
     pub fn from_properties(props: Properties) -> Result<Self> {
         let plan = Plan::new(&props);
-        let scalers = (0..props.num_losses()).map(|_| LossScaler::new(&props)).collect();
+        let scalers: Vec<LossScaler> = (0..props.num_losses()).map(|_| LossScaler::new(&props)).collect();
+        let last_overflows = vec![None; scalers.len()];
         if props.verbosity() >= 2 {
             println!("tch-amp: {props:?}");
         }
@@ -152,6 +155,7 @@ impl Amp {
             props,
             plan,
             scalers,
+            last_overflows,
             casts,
             _thread_bound: PhantomData,
         })
@@ -179,6 +183,17 @@ impl Amp {
     /// [`AmpError::LossIdOutOfRange`].
     pub fn scaler(&self, loss_id: usize) -> Result<&LossScaler> {
         self.scalers.get(loss_id).ok_or(AmpError::LossIdOutOfRange { loss_id, num_losses: self.scalers.len() })
+    }
+
+    /// The diagnostics of the last overflow of `loss_id` (`None` before the first): which
+    /// parameters had inf/NaN gradients, in model order, with counts. The scale changes that
+    /// led there are in [`LossScaler::history`].
+    ///
+    /// # Errors
+    /// [`AmpError::LossIdOutOfRange`].
+    pub fn last_overflow(&self, loss_id: usize) -> Result<Option<&OverflowReport>> {
+        self.scaler(loss_id)?;
+        Ok(self.last_overflows[loss_id].as_ref())
     }
 
     /// The current scale of `loss_id`.
@@ -279,7 +294,6 @@ impl Amp {
         let setup = OptimizerSetup {
             amp_id: self.id,
             disable_casts_in_step: self.plan.o1,
-            verbosity: self.props.verbosity(),
             fp32_optimizer_state: self.props.fp32_optimizer_state(),
         };
         let opt = AmpOptimizer::new(setup, config, lr, entries)?;
@@ -336,10 +350,20 @@ impl Amp {
 
     /// [`Self::scale_loss_with`] with a fallible `backward` (e.g. `|s| s.f_backward()`).
     ///
+    /// At an overflow the parameters with inf/NaN gradients are counted (only then: a clean
+    /// pass reads one flag) into an [`OverflowReport`] ([`Self::last_overflow`],
+    /// [`AmpOptimizer::last_overflow`]), printed at verbosity >= 1 after Apex's line. With the
+    /// scale at its floor, the gradients of a clean pass are checked for being all zero (the
+    /// silent collapse; see [`crate::AmpConfig::collapse_limit`]).
+    ///
     /// # Errors
-    /// [`AmpError::LossIdOutOfRange`]; [`AmpError::ForeignOptimizer`] for an optimizer of
-    /// another `Amp`; [`AmpError::DuplicateOptimizer`]; [`AmpError::Torch`] from `backward` or
-    /// from unscaling.
+    /// Checked before `backward` runs, nothing changed then: [`AmpError::LossIdOutOfRange`];
+    /// [`AmpError::NoOptimizers`] for an empty list (Apex accepts it and leaves the gradients
+    /// scaled); [`AmpError::ForeignOptimizer`] for an optimizer of another `Amp`;
+    /// [`AmpError::DuplicateOptimizer`]; [`AmpError::LossNotScalar`] for a loss that is not a
+    /// single value; [`AmpError::LossWithoutGraph`] for a loss that does not require grad;
+    /// [`AmpError::LossDeviceMismatch`] for a loss on another device than an optimizer's
+    /// parameters. Afterwards: [`AmpError::Torch`] from `backward` or from unscaling.
     pub fn f_scale_loss_with(
         &mut self,
         loss: &Tensor,
@@ -349,8 +373,9 @@ impl Amp {
     ) -> Result<ScaleLossOutcome> {
         let ScaleLossOptions { loss_id, delay_unscale } = options;
         self.check_call(loss_id, optimizers)?;
+        check_loss(loss, optimizers)?;
         let scaler = &self.scalers[loss_id];
-        let (scale, dynamic) = (scaler.loss_scale(), scaler.is_dynamic());
+        let (scale, checks) = (scaler.loss_scale(), scaler.checks_overflow());
         let outcome = |overflow, new_loss_scale, delayed, passed_through| ScaleLossOutcome {
             loss_id,
             loss_scale: scale,
@@ -360,8 +385,8 @@ impl Amp {
             passed_through,
         };
         // Apex: disabled, or a static scale of 1 without masters, hands loss.float() straight
-        // to backward: no unscale, no check.
-        if self.plan.disabled || (!self.plan.masters && !dynamic && scale == 1.0) {
+        // to backward: no unscale, no check (unless static scales are checked).
+        if self.plan.disabled || (!self.plan.masters && !checks && scale == 1.0) {
             let l = if self.plan.disabled {
                 loss.shallow_clone()
             } else {
@@ -381,14 +406,17 @@ impl Amp {
             optimizers.iter_mut().for_each(|o| o.keep_scaled());
             return Ok(outcome(false, scale, true, false));
         }
-        let overflow = Self::unscale(optimizers, scale, dynamic)?;
-        let new_scale = self.update_scale(loss_id, overflow, optimizers);
+        let overflow = Self::unscale(optimizers, scale, checks)?;
+        let new_scale = self.update_scale(loss_id, overflow, optimizers)?;
         Ok(outcome(overflow, new_scale, false, false))
     }
 
     /// The loss id exists; every optimizer is this `Amp`'s, each given once.
     fn check_call(&self, loss_id: usize, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
         self.scaler(loss_id)?;
+        if optimizers.is_empty() {
+            return Err(AmpError::NoOptimizers);
+        }
         if let Some(o) = optimizers.iter().find(|o| o.amp_id() != self.id) {
             return Err(AmpError::ForeignOptimizer { optimizer_amp: o.amp_id(), amp: self.id });
         }
@@ -421,7 +449,7 @@ impl Amp {
     }
 
     /// Unscales every optimizer's new gradients by 1/`scale` (fused, no host sync) and, for a
-    /// dynamic scaler, reads the inf/NaN flag: the one host sync of a dynamic step.
+    /// checking scaler, reads the inf/NaN flag: the one host sync of a dynamic step.
     fn unscale(optimizers: &mut [&mut AmpOptimizer], scale: f64, dynamic: bool) -> Result<bool> {
         let device = optimizers.iter().find_map(|o| o.device()).unwrap_or(Device::Cpu);
         let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
@@ -432,16 +460,99 @@ impl Amp {
         Ok(dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
 
-    /// Updates the scaler of `loss_id`; on a skip, every optimizer skips its next step.
-    fn update_scale(&mut self, loss_id: usize, overflow: bool, optimizers: &mut [&mut AmpOptimizer]) -> f64 {
+    /// Updates the scaler of `loss_id`; on a skip, every optimizer skips its next step and
+    /// gets the overflow's diagnostics; a collapse is handed to every optimizer's next step.
+    fn update_scale(&mut self, loss_id: usize, overflow: bool, optimizers: &mut [&mut AmpOptimizer]) -> Result<f64> {
+        let scaler = &self.scalers[loss_id];
+        let (scale, pass) = (scaler.loss_scale(), scaler.passes());
+        // The silent collapse: only looked for with the scale at its floor.
+        let all_zero_at_floor = !overflow && scaler.is_dynamic() && scaler.at_floor() && {
+            let mut verdict = None;
+            for o in optimizers.iter() {
+                match (o.grads_all_zero()?, verdict) {
+                    (Some(false), _) => {
+                        verdict = Some(false);
+                        break;
+                    }
+                    (Some(true), None) => verdict = Some(true),
+                    _ => {}
+                }
+            }
+            verdict == Some(true)
+        };
         let scaler = &mut self.scalers[loss_id];
-        let skip = scaler.update(overflow);
+        let skip = scaler.record_pass(overflow, all_zero_at_floor);
         let new_scale = scaler.loss_scale();
+        let collapse = scaler.collapse();
+        let floor = scaler.min_loss_scale();
         if skip {
-            optimizers.iter_mut().for_each(|o| o.mark_skip(loss_id, new_scale));
+            // The overflow path: only here are the gradients inspected.
+            let mut params = Vec::new();
+            for o in optimizers.iter() {
+                params.extend(o.non_finite_grads()?);
+            }
+            let report = OverflowReport {
+                loss_id,
+                pass,
+                loss_scale: scale,
+                new_loss_scale: new_scale,
+                dynamic: scaler.is_dynamic(),
+                overflows_at_floor: scaler.overflows_at_floor(),
+                params,
+            };
+            if self.props.verbosity() >= 1 {
+                println!("{report}");
+                if scaler.is_dynamic() && new_scale <= floor && scale > floor {
+                    println!(
+                        "loss scaler {loss_id} reached its floor {floor:e} (min_loss_scale): {} more overflows in a row \
+                         there end in AmpError::ScaleCollapsed",
+                        self.props.collapse_limit()
+                    );
+                }
+            }
+            let collapse = match collapse {
+                Some(Collapse::OverflowAtFloor { first_pass, passes }) => Some(CollapseInfo {
+                    overflow: true,
+                    loss_id,
+                    first_pass,
+                    passes,
+                    loss_scale: new_scale,
+                    params: report.first_params(5),
+                }),
+                _ => None,
+            };
+            for o in optimizers.iter_mut() {
+                o.mark_skip(loss_id, new_scale, report.clone(), collapse.clone());
+            }
+            self.last_overflows[loss_id] = Some(report);
+        } else if let Some(Collapse::ZeroGradients { first_pass, passes }) = collapse {
+            let info =
+                CollapseInfo { overflow: false, loss_id, first_pass, passes, loss_scale: new_scale, params: vec![] };
+            for o in optimizers.iter_mut() {
+                o.mark_vanished(info.clone());
+            }
         }
-        new_scale
+        Ok(new_scale)
     }
+}
+
+/// The loss is one value with an autograd graph, on the optimizers' device. Checked before
+/// `backward` (tch's `backward` panics with a C++ trace on each of these).
+fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
+    if !loss.defined() {
+        return Err(AmpError::LossNotScalar { shape: Vec::new() });
+    }
+    if loss.numel() != 1 {
+        return Err(AmpError::LossNotScalar { shape: loss.size() });
+    }
+    if !loss.requires_grad() {
+        return Err(AmpError::LossWithoutGraph);
+    }
+    let device = loss.device();
+    if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
+        return Err(AmpError::LossDeviceMismatch { loss: device, params });
+    }
+    Ok(())
 }
 
 /// Apex's `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` for the common

@@ -7,9 +7,10 @@
 //! Layout: tensors `model/<name>`, `optimizer<i>/<name>/<buffer>` and
 //! `optimizer<i>/<name>/step` (I64), and one metadata entry `tch_amp` holding [`Metadata`] as
 //! JSON (one key, so the file's bytes do not depend on a hash map's order).
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,7 @@ use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, OptimizerRecord, ParamRecord};
 use crate::scaling::AmpState;
 
-const FORMAT: &str = "tch-amp-checkpoint/2";
+const FORMAT: &str = "tch-amp-checkpoint/3";
 const METADATA_KEY: &str = "tch_amp";
 
 /// The checkpoint's metadata. Every field is required; unknown fields are an error.
@@ -41,6 +42,7 @@ struct Metadata {
 #[serde(deny_unknown_fields)]
 struct OptimizerMeta {
     kind: String,
+    hyper_parameters: BTreeMap<String, f64>,
     lr: f64,
     group_lr: BTreeMap<usize, f64>,
     steps: u64,
@@ -140,6 +142,7 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
         }
         metas.push(OptimizerMeta {
             kind: r.kind.clone(),
+            hyper_parameters: r.hyper_parameters.clone(),
             lr: r.lr,
             group_lr: r.group_lr.clone(),
             steps: r.steps,
@@ -183,15 +186,27 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
     write_atomically(path, &bytes)
 }
 
+/// The suffix of checkpoint temp files: `.<file name>.<pid>-<n>.tch-amp-tmp`.
+const TMP_SUFFIX: &str = ".tch-amp-tmp";
+
+/// Distinguishes the temp files of one process's concurrent saves.
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
 /// Writes `bytes` to a temporary file beside `path`, syncs it, renames it over `path` and
 /// syncs the folder; on failure removes the temporary file and leaves `path` as it was.
+///
+/// The temp file is named `.<file name>.<pid>-<n>.tch-amp-tmp` and holds an exclusive advisory
+/// lock (flock) while it is written. A writer killed mid-save (SIGKILL, power loss) leaves it
+/// behind, unlocked (the kernel drops the locks of a dead process): every save first removes
+/// the temp files in its folder that it can lock, i.e. those of dead writers; temp files of
+/// live writers (other processes or threads) are locked and left alone.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let save_err = |source: std::io::Error| AmpError::Save { path: path.to_path_buf(), source };
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let file_name = path.file_name().ok_or_else(|| save_err(std::io::Error::other("not a file path")))?;
-    let tmp: PathBuf = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    remove_stale_temps(dir);
+    let (tmp, mut f) = create_locked_temp(dir, &file_name.to_string_lossy()).map_err(save_err)?;
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
@@ -203,6 +218,57 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         return Err(save_err(e));
     }
     Ok(())
+}
+
+/// Creates a new temp file in `dir` and locks it. A cleaner in another save may have locked
+/// and removed the file between its creation and our lock: then the path no longer names our
+/// file, and we start again with a new name.
+fn create_locked_temp(dir: &Path, file_name: &str) -> std::io::Result<(PathBuf, std::fs::File)> {
+    for _ in 0..16 {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{file_name}.{}-{n}{TMP_SUFFIX}", std::process::id()));
+        let f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        fs4::FileExt::lock(&f)?;
+        if same_file(&f, &tmp) {
+            return Ok((tmp, f));
+        }
+    }
+    Err(std::io::Error::other("could not create a temp file: it was removed 16 times in a row"))
+}
+
+/// Whether `path` still names the open file `f`.
+fn same_file(f: &std::fs::File, path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (f.metadata(), std::fs::metadata(path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = f;
+        path.exists()
+    }
+}
+
+/// Removes the checkpoint temp files in `dir` whose writer is gone (those we can lock).
+/// Best effort: errors leave the file for a later save.
+fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with('.') && name.ends_with(TMP_SUFFIX)) {
+            continue;
+        }
+        let Ok(f) = std::fs::OpenOptions::new().write(true).open(entry.path()) else { continue };
+        if fs4::FileExt::try_lock(&f).is_ok() && same_file(&f, &entry.path()) {
+            // Removed while we hold the lock, so no writer can have taken it meanwhile.
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 fn view_to_tensor(name: &str, v: &TensorView<'_>) -> Result<Tensor> {
@@ -229,6 +295,7 @@ fn read_record(
     meta: OptimizerMeta,
     masters: &BTreeMap<String, Tensor>,
     with_master: &[bool],
+    consumed: &mut BTreeSet<String>,
 ) -> Result<OptimizerRecord> {
     let mut params = Vec::with_capacity(meta.params.len());
     for (name, &has_master) in meta.params.iter().zip(with_master) {
@@ -244,11 +311,13 @@ fn read_record(
         }
         let step = view_to_tensor(&step_key, &step_view)?.f_int64_value(&[0]).ctx("checkpoint")?;
         let step = u64::try_from(step).map_err(|_| mismatch(format!("{step_key} = {step} is negative")))?;
+        consumed.insert(step_key);
         let mut buffers = BTreeMap::new();
         for (key, view) in st.tensors() {
             if let Some(buf) = key.strip_prefix(&prefix) {
                 if buf != "step" {
                     buffers.insert(buf.to_string(), view_to_tensor(&key, &view)?);
+                    consumed.insert(key.clone());
                 }
             }
         }
@@ -257,6 +326,7 @@ fn read_record(
     }
     Ok(OptimizerRecord {
         kind: meta.kind,
+        hyper_parameters: meta.hyper_parameters,
         lr: meta.lr,
         group_lr: meta.group_lr,
         steps: meta.steps,
@@ -320,11 +390,13 @@ pub fn load_checkpoint(
     names.sort();
     let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
     let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut consumed: BTreeSet<String> = BTreeSet::new();
     for name in names {
         let var = &vars[name];
         let key = format!("model/{name}");
         let v = st.tensor(&key).map_err(|_| mismatch(format!("variable {name} is missing from the checkpoint")))?;
         let t = view_to_tensor(&key, &v)?;
+        consumed.insert(key.clone());
         if t.size() != var.size() {
             return Err(mismatch(format!(
                 "variable {name}: checkpoint shape {:?}, model shape {:?}",
@@ -347,11 +419,17 @@ pub fn load_checkpoint(
         if m.params.len() != with_master.len() {
             return Err(mismatch(format!("optimizer {i} covers other parameters than the checkpoint's")));
         }
-        let record = read_record(&st, i, m, &staged, &with_master)?;
+        let record = read_record(&st, i, m, &staged, &with_master, &mut consumed)?;
         staged_records.push(o.stage_record(record).map_err(|e| match e {
             AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
             other => other,
         })?);
+    }
+    if let Some(extra) = st.names().into_iter().find(|n| !consumed.contains(n.as_str())) {
+        return Err(mismatch(format!(
+            "{}: tensor {extra:?} belongs to nothing being restored (a renamed or foreign tensor)",
+            path.display()
+        )));
     }
     // Phase 2: apply (all checks passed).
     let _no_grad = tch::no_grad_guard();

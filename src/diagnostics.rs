@@ -50,3 +50,10 @@ pub fn check_aten_op(name: &str) -> Result<()> {
         other => other,
     })
 }
+
+/// How many times the calling thread inspected gradients beyond the one overflow flag of a
+/// `scale_loss` exit: per-parameter inf/NaN counts at an overflow, and the all-zero check at
+/// the scale's floor. A clean pass above the floor adds nothing (tests check it).
+pub fn gradient_scans() -> u64 {
+    crate::optim::gradient_scans()
+}

@@ -158,6 +158,114 @@ pub enum AmpError {
         /// libtorch's message.
         message: String,
     },
+    /// The loss scale collapsed: `passes` consecutive backward passes of loss `loss_id`
+    /// overflowed with the scale already at its floor (`collapse_limit`, see
+    /// [`crate::AmpConfig::collapse_limit`]). Returned by `step()` after skipping the step.
+    #[error(
+        "loss scaler {loss_id} collapsed: {passes} consecutive backward passes (passes {first_pass}..={last_pass}) \
+         overflowed with the loss scale at its floor {loss_scale:e}; first non-finite gradients: {params:?}. \
+         The loss or the gradients are inf/NaN at every step: look for a NaN in the data or the loss, a too high \
+         learning rate, or an op that overflows in fp16 (see Amp::last_overflow for the counts); \
+         AmpConfig::collapse_limit(0) skips forever, as Apex"
+    )]
+    ScaleCollapsed {
+        /// The loss whose scaler collapsed.
+        loss_id: usize,
+        /// The first pass of the run (index of the non-delayed `scale_loss` exit, from 0).
+        first_pass: u64,
+        /// The last pass of the run.
+        last_pass: u64,
+        /// How many passes in a row.
+        passes: u64,
+        /// The scale (the floor).
+        loss_scale: f64,
+        /// The first parameters (model order, at most 5) with non-finite gradients at the last
+        /// overflow.
+        params: Vec<String>,
+    },
+    /// The loss scale sits at its floor and the gradients of `passes` consecutive clean
+    /// backward passes were all exactly zero: the scaled gradients underflow and the model has
+    /// silently stopped learning. Returned by `step()`, which does not step.
+    #[error(
+        "loss scaler {loss_id} collapsed: the loss scale sits at its floor {loss_scale:e} and every gradient was \
+         exactly zero for {passes} consecutive backward passes (passes {first_pass}..={last_pass}): the scaled \
+         gradients underflow and the model stopped learning. An overflow storm drove the scale down; raise \
+         min_loss_scale, or let it regrow faster with AmpConfig::recovery_growth_interval; \
+         AmpConfig::collapse_limit(0) turns the check off"
+    )]
+    GradientsVanished {
+        /// The loss whose scaler sits at its floor.
+        loss_id: usize,
+        /// The first pass of the run.
+        first_pass: u64,
+        /// The last pass of the run.
+        last_pass: u64,
+        /// How many passes in a row.
+        passes: u64,
+        /// The scale (the floor).
+        loss_scale: f64,
+    },
+    /// `step()` found gradients on low-precision model variables whose fp32 masters have none:
+    /// a backward pass ran outside `scale_loss`, so the masters (which the optimizer steps)
+    /// never saw it. Nothing was changed.
+    #[error(
+        "step() found gradients on the fp16 model variables {params:?} but none on their fp32 masters: the \
+         backward pass ran outside scale_loss, and the optimizer steps the masters; run backward inside \
+         amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward())"
+    )]
+    GradientsNotUnscaled {
+        /// The variables (at most 5) holding such gradients.
+        params: Vec<String>,
+    },
+    /// `step()` found no gradient on any parameter: there is nothing to step (no backward since
+    /// the last step or zero_grad; a skipped step clears the gradients, so a second `step()`
+    /// after an overflow lands here). Nothing was changed.
+    #[error(
+        "step() found no gradient on any of the optimizer's parameters: run amp.scale_loss(..) (the backward \
+         pass) before each step(); a skipped step clears the gradients, so call step() once per backward"
+    )]
+    NoGradients,
+    /// `set_lr_group` for a parameter group that holds none of the optimizer's parameters.
+    #[error("parameter group {group} holds none of this optimizer's parameters (its groups are {groups:?})")]
+    UnknownParamGroup {
+        /// The group given.
+        group: usize,
+        /// The optimizer's groups.
+        groups: Vec<usize>,
+    },
+    /// `scale_loss` was given a loss that is not a single number (backward needs a scalar).
+    #[error(
+        "the loss given to scale_loss has shape {shape:?}, not a single value: reduce it first \
+         (loss.mean() or loss.sum())"
+    )]
+    LossNotScalar {
+        /// The loss's shape (empty for an undefined tensor).
+        shape: Vec<i64>,
+    },
+    /// `scale_loss` was given a loss that does not require grad: no graph to run backward on.
+    #[error(
+        "the loss given to scale_loss does not require grad (no autograd graph): compute it from the model's \
+         trainable variables, outside no_grad, and do not detach it"
+    )]
+    LossWithoutGraph,
+    /// The loss lives on another device than an optimizer's parameters.
+    #[error(
+        "the loss is on {loss:?} but an optimizer's parameters are on {params:?}: compute the loss on the \
+         parameters' device"
+    )]
+    LossDeviceMismatch {
+        /// The loss's device.
+        loss: tch::Device,
+        /// The parameters' device.
+        params: tch::Device,
+    },
+    /// `scale_loss` was given no optimizer. Apex accepts `[]` and leaves the gradients scaled
+    /// (then stepped with the scale in them); tch-amp refuses.
+    #[error(
+        "scale_loss was given no optimizer: pass every optimizer whose parameters the loss reaches \
+         (&mut [&mut opt]); without one the gradients would stay multiplied by the loss scale"
+    )]
+    NoOptimizers,
     /// An op on O1's banned list (binary_cross_entropy) was called with fp16/bf16 inputs.
     #[error(
         "{op} is banned under O1 on fp16/bf16 inputs (its log saturates where a low-precision sigmoid \

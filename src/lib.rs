@@ -61,6 +61,7 @@
 //!   [`CastReport`].
 //! - **Loss scaling** (`src/scaling/`): [`Amp::scale_loss`] with [`ScaleLossOptions`] and
 //!   [`ScaleLossOutcome`], [`LossScaler`] (with [`ScaleChange`], [`ScaleChangeReason`]),
+//!   [`OverflowReport`] and [`NonFiniteGrad`] (which parameters overflowed),
 //!   [`ScalerState`] and [`AmpState`] (`amp.state_dict()`), [`unscale_`].
 //! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`], [`StepOutcome`],
 //!   [`MemoryReport`], [`OptimizerRecord`] and [`ParamRecord`] (what an optimizer saves).
@@ -113,7 +114,7 @@ pub use model::{AmpModel, CastReport};
 pub use optim::{
     unscale_, Algorithm, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome,
 };
-pub use scaling::{AmpState, LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
+pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
 #[cfg(doctest)]

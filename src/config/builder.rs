@@ -40,6 +40,12 @@ pub struct AmpConfig {
     pub(super) emulate_low_precision_on_cpu: Option<bool>,
     pub(super) cast_policy: Option<CastPolicy>,
     pub(super) fp32_optimizer_state: Option<bool>,
+    pub(super) hysteresis: Option<u32>,
+    pub(super) consecutive_hysteresis: Option<bool>,
+    pub(super) collapse_limit: Option<u32>,
+    pub(super) recovery_growth_interval: Option<u64>,
+    pub(super) scale_history_len: Option<usize>,
+    pub(super) check_static_overflow: Option<bool>,
 }
 
 impl AmpConfig {
@@ -109,6 +115,14 @@ impl AmpConfig {
             }
             "min_loss_scale" => self.min_loss_scale = if v == "None" { None } else { Some(number("min_loss_scale")?) },
             "max_loss_scale" => self.max_loss_scale = Some(number("max_loss_scale")?),
+            "hysteresis" => {
+                self.hysteresis = Some(v.parse().map_err(|_| AmpError::InvalidOption {
+                    option: "hysteresis",
+                    value: value.to_string(),
+                    expected: "a positive integer (DeepSpeed's fp16 \"hysteresis\"; 1 is Apex's scaler)",
+                })?)
+            }
+            "consecutive_hysteresis" => self.consecutive_hysteresis = bool_opt("consecutive_hysteresis")?,
             "verbosity" => {
                 self.verbosity = Some(v.parse().map_err(|_| AmpError::InvalidOption {
                     option: "verbosity",
@@ -122,7 +136,8 @@ impl AmpConfig {
                     value: name.to_string(),
                     expected: "one of Apex's initialize options: enabled, cast_model_type, patch_torch_functions, \
                                keep_batchnorm_fp32, master_weights, loss_scale, cast_model_outputs, num_losses, \
-                               min_loss_scale, max_loss_scale, verbosity",
+                               min_loss_scale, max_loss_scale, verbosity; or DeepSpeed's fp16 options \
+                               hysteresis, consecutive_hysteresis",
                 })
             }
         }
@@ -214,6 +229,59 @@ impl AmpConfig {
     /// verbosity >= 1 when an Adam/AdamW optimizer is built over such parameters without it.
     pub fn fp32_optimizer_state(mut self, on: bool) -> Self {
         self.fp32_optimizer_state = Some(on);
+        self
+    }
+
+    /// DeepSpeed's fp16 `hysteresis` (default 1, Apex's scaler): an overflow always skips the
+    /// step, but the dynamic scale is lowered only at the k-th overflow since the counter was
+    /// last restored (at each growth, or at each clean pass with
+    /// [`Self::consecutive_hysteresis`]). Also `from_apex` option `"hysteresis"`. Must be >= 1.
+    pub fn hysteresis(mut self, k: u32) -> Self {
+        self.hysteresis = Some(k);
+        self
+    }
+    /// DeepSpeed's `consecutive_hysteresis` (default false): restore the hysteresis counter at
+    /// every clean pass, so only k overflows in a row lower the scale. Also `from_apex` option
+    /// `"consecutive_hysteresis"`.
+    pub fn consecutive_hysteresis(mut self, on: bool) -> Self {
+        self.consecutive_hysteresis = Some(on);
+        self
+    }
+    /// How many consecutive bad passes at the scale's floor end training with
+    /// [`AmpError::ScaleCollapsed`] from `step()` (default
+    /// [`crate::LossScaler::DEFAULT_COLLAPSE_LIMIT`], 20; 0 turns the check off, as in Apex,
+    /// which skips forever). Bad passes are overflows with the scale already at its floor (a
+    /// loss that is NaN at every step), or clean passes at the floor whose gradients are all
+    /// exactly zero (the scaled gradients underflowed: the model silently stopped learning).
+    /// A static scale checked with [`Self::check_static_overflow`] is always at its floor.
+    pub fn collapse_limit(mut self, n: u32) -> Self {
+        self.collapse_limit = Some(n);
+        self
+    }
+    /// Opt-in faster regrowth after an overflow storm (default off: Apex's 2000 clean passes
+    /// per doubling). When on, the first overflow after a calm period records the scale in
+    /// force as the recovery target; while the scale is below it, it doubles after `n` clean
+    /// passes instead of 2000, and normal growth resumes once the target (or the cap) is
+    /// reached. The price: a scale that overflows at its target comes back there every `n`
+    /// passes. Must be >= 1.
+    pub fn recovery_growth_interval(mut self, n: u64) -> Self {
+        self.recovery_growth_interval = Some(n);
+        self
+    }
+    /// How many of the last scale changes each scaler keeps in [`crate::LossScaler::history`]
+    /// (a ring buffer; default [`crate::LossScaler::DEFAULT_HISTORY_LEN`], 256).
+    pub fn scale_history_len(mut self, n: usize) -> Self {
+        self.scale_history_len = Some(n);
+        self
+    }
+    /// Opt-in overflow check for static scales (default off, as Apex: a static scale never
+    /// checks, and at O0/O3 a NaN loss reaches the weights). When on, a static scaler checks
+    /// the new gradients for inf/NaN at every `scale_loss` exit (one fused pass and one host
+    /// sync, as a dynamic scaler), skips the step on overflow with the same diagnostics, and
+    /// never changes its scale; [`Self::collapse_limit`] consecutive overflows end in
+    /// [`AmpError::ScaleCollapsed`]. At O0/O3 the loss then no longer passes straight through.
+    pub fn check_static_overflow(mut self, on: bool) -> Self {
+        self.check_static_overflow = Some(on);
         self
     }
 

@@ -23,6 +23,12 @@ pub struct Properties {
     pub(super) cast_settings: CastSettings,
     pub(super) cast_policy: CastPolicy,
     pub(super) fp32_optimizer_state: bool,
+    pub(super) hysteresis: u32,
+    pub(super) consecutive_hysteresis: bool,
+    pub(super) collapse_limit: u32,
+    pub(super) recovery_growth_interval: Option<u64>,
+    pub(super) scale_history_len: usize,
+    pub(super) check_static_overflow: bool,
 }
 
 impl Properties {
@@ -88,5 +94,29 @@ impl Properties {
     /// state (see [`crate::AmpConfig::fp32_optimizer_state`]; default false, as Apex).
     pub fn fp32_optimizer_state(&self) -> bool {
         self.fp32_optimizer_state
+    }
+    /// DeepSpeed's hysteresis k (1: Apex's scaler).
+    pub fn hysteresis(&self) -> u32 {
+        self.hysteresis
+    }
+    /// Whether the hysteresis counter is restored at every clean pass.
+    pub fn consecutive_hysteresis(&self) -> bool {
+        self.consecutive_hysteresis
+    }
+    /// Consecutive bad passes at the floor before [`crate::AmpError::ScaleCollapsed`] (0: never).
+    pub fn collapse_limit(&self) -> u32 {
+        self.collapse_limit
+    }
+    /// The faster growth interval while recovering from an overflow storm (`None`: off).
+    pub fn recovery_growth_interval(&self) -> Option<u64> {
+        self.recovery_growth_interval
+    }
+    /// How many scale changes each scaler's history keeps.
+    pub fn scale_history_len(&self) -> usize {
+        self.scale_history_len
+    }
+    /// Whether static scales check for overflow (tch-amp's opt-in; Apex never does).
+    pub fn check_static_overflow(&self) -> bool {
+        self.check_static_overflow
     }
 }

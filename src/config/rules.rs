@@ -15,11 +15,13 @@ fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -
     AmpError::InvalidOption { option, value: value.to_string(), expected }
 }
 
-fn positive(option: &'static str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 0.0 {
+/// A scale (or floor, or cap) within [`LossScaler::SCALE_RANGE`].
+fn in_scale_range(option: &'static str, v: f64) -> Result<f64> {
+    let (lo, hi) = LossScaler::SCALE_RANGE;
+    if v.is_finite() && (lo..=hi).contains(&v) {
         Ok(v)
     } else {
-        Err(invalid(option, v, "a finite positive number"))
+        Err(invalid(option, v, "a number in [2^-126, 2^127], so that it and its inverse are normal fp32 numbers"))
     }
 }
 
@@ -35,7 +37,9 @@ impl AmpConfig {
     /// [`AmpError::IncompatibleOption`] for what Apex rejects: `cast_model_type` other than
     /// fp32/`None` under O1, `patch_torch_functions` outside O1, `keep_batchnorm_fp32` or
     /// `master_weights` set under O1, and (tch-amp) a `cast_policy` outside O1;
-    /// [`AmpError::InvalidOption`] for a non-positive or non-finite loss scale, min above max,
+    /// [`AmpError::InvalidOption`] for a loss scale, `min_loss_scale` or `max_loss_scale`
+    /// outside [`LossScaler::SCALE_RANGE`] (2^-126 to 2^127), min above max, a hysteresis or
+    /// recovery growth interval of 0,
     /// `num_losses == 0`, or a low-precision dtype other than fp16/bf16.
     pub fn build(&self) -> Result<Properties> {
         self.check_apex_rules()?;
@@ -107,14 +111,15 @@ impl AmpConfig {
         // bf16 has fp32's exponent range: no loss scaling unless asked for.
         let bf16 = if o1 { low == Kind::BFloat16 } else { cast_model_type == Some(Kind::BFloat16) };
         let loss_scale = match self.loss_scale {
-            Some(s) => s.validated()?,
+            Some(LossScale::Static(v)) => LossScale::Static(in_scale_range("loss_scale", v)?),
+            Some(s) => s,
             None if bf16 => LossScale::Static(1.0),
             None => d.loss_scale,
         };
         let max_loss_scale =
-            positive("max_loss_scale", self.max_loss_scale.unwrap_or(LossScaler::DEFAULT_MAX_LOSS_SCALE))?;
+            in_scale_range("max_loss_scale", self.max_loss_scale.unwrap_or(LossScaler::DEFAULT_MAX_LOSS_SCALE))?;
         if let Some(min) = self.min_loss_scale {
-            positive("min_loss_scale", min)?;
+            in_scale_range("min_loss_scale", min)?;
             if min > max_loss_scale {
                 return Err(invalid("min_loss_scale", min, "a value not above max_loss_scale"));
             }
@@ -127,6 +132,14 @@ impl AmpConfig {
             if !matches!(k, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) {
                 return Err(invalid("cast_model_outputs", format!("{k:?}"), "a floating kind"));
             }
+        }
+        let hysteresis = self.hysteresis.unwrap_or(1);
+        if hysteresis == 0 {
+            return Err(invalid("hysteresis", 0, "at least 1 (1 lowers the scale at every overflow, as Apex)"));
+        }
+        let recovery_growth_interval = self.recovery_growth_interval;
+        if recovery_growth_interval == Some(0) {
+            return Err(invalid("recovery_growth_interval", 0, "at least 1"));
         }
         Ok(Properties {
             enabled: self.enabled.unwrap_or(true),
@@ -148,6 +161,12 @@ impl AmpConfig {
             },
             cast_policy: self.cast_policy.clone().unwrap_or_else(CastPolicy::apex),
             fp32_optimizer_state: self.fp32_optimizer_state.unwrap_or(false),
+            hysteresis,
+            consecutive_hysteresis: self.consecutive_hysteresis.unwrap_or(false),
+            collapse_limit: self.collapse_limit.unwrap_or(LossScaler::DEFAULT_COLLAPSE_LIMIT),
+            recovery_growth_interval,
+            scale_history_len: self.scale_history_len.unwrap_or(LossScaler::DEFAULT_HISTORY_LEN),
+            check_static_overflow: self.check_static_overflow.unwrap_or(false),
         })
     }
 }

@@ -9,6 +9,7 @@ use super::params::{copy_masters_to_model, ParamEntry};
 use super::record::{OptimizerRecord, ParamRecord};
 use super::rules::{Optimizer, OptimizerConfig};
 use crate::error::{mismatch, AmpError, Result, TorchContext};
+use crate::scaling::{NonFiniteGrad, OverflowReport};
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,10 +69,52 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+thread_local! {
+    /// Gradient inspections beyond the overflow flag made on this thread (see
+    /// [`crate::diagnostics::gradient_scans`]).
+    static GRADIENT_SCANS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Inspections beyond the overflow flag made on this thread so far.
+pub(crate) fn gradient_scans() -> u64 {
+    GRADIENT_SCANS.with(|c| c.get())
+}
+
+fn count_scan() {
+    GRADIENT_SCANS.with(|c| c.set(c.get() + 1));
+}
+
+#[derive(Debug, Clone)]
 struct PendingSkip {
     loss_id: usize,
     loss_scale: f64,
+    report: OverflowReport,
+    collapse: Option<CollapseInfo>,
+}
+
+/// A collapse of a loss scaler, reported by the next `step()` (see
+/// [`AmpError::ScaleCollapsed`] and [`AmpError::GradientsVanished`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct CollapseInfo {
+    /// Overflows at the floor (`ScaleCollapsed`) or zero gradients there (`GradientsVanished`).
+    pub(crate) overflow: bool,
+    pub(crate) loss_id: usize,
+    pub(crate) first_pass: u64,
+    pub(crate) passes: u64,
+    pub(crate) loss_scale: f64,
+    pub(crate) params: Vec<String>,
+}
+
+impl CollapseInfo {
+    fn error(self) -> AmpError {
+        let last_pass = self.first_pass.saturating_add(self.passes.saturating_sub(1));
+        let (loss_id, first_pass, passes, loss_scale) = (self.loss_id, self.first_pass, self.passes, self.loss_scale);
+        if self.overflow {
+            AmpError::ScaleCollapsed { loss_id, first_pass, last_pass, passes, loss_scale, params: self.params }
+        } else {
+            AmpError::GradientsVanished { loss_id, first_pass, last_pass, passes, loss_scale }
+        }
+    }
 }
 
 /// How an [`crate::Amp`] sets up the optimizers it makes.
@@ -81,8 +124,6 @@ pub(crate) struct OptimizerSetup {
     pub(crate) amp_id: u64,
     /// Run the update with O1's casts off (Apex's optimizers ran outside the patched functions).
     pub(crate) disable_casts_in_step: bool,
-    /// Apex's verbosity: 1 prints the overflow lines.
-    pub(crate) verbosity: u8,
     /// Update fp16/bf16 parameters without masters in fp32 with fp32 state.
     pub(crate) fp32_optimizer_state: bool,
 }
@@ -98,6 +139,9 @@ pub struct AmpOptimizer {
     /// Grads hold a scaled, not yet unscaled, contribution (a `delay_unscale` pass).
     scaled_pending: bool,
     skip_next: Option<PendingSkip>,
+    /// A `GradientsVanished` collapse to report at the next step.
+    vanished: Option<CollapseInfo>,
+    last_overflow: Option<OverflowReport>,
     steps: u64,
     skipped: u64,
 }
@@ -109,11 +153,23 @@ impl AmpOptimizer {
         lr: f64,
         entries: Vec<ParamEntry>,
     ) -> Result<Self> {
+        config.validate(lr)?;
         let params = entries.iter().map(|e| e.update_target().shallow_clone()).collect();
         let groups = entries.iter().map(ParamEntry::group).collect();
         let inner = Optimizer::new(config, lr, params, groups, setup.fp32_optimizer_state)?;
         let stash = entries.iter().map(|_| None).collect();
-        Ok(Self { setup, inner, entries, stash, scaled_pending: false, skip_next: None, steps: 0, skipped: 0 })
+        Ok(Self {
+            setup,
+            inner,
+            entries,
+            stash,
+            scaled_pending: false,
+            skip_next: None,
+            vanished: None,
+            last_overflow: None,
+            steps: 0,
+            skipped: 0,
+        })
     }
 
     /// The learning rate.
@@ -133,9 +189,28 @@ impl AmpOptimizer {
     /// `vs.root().set_group(group)`), as torch's per-group `lr`.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    /// [`AmpError::UnknownParamGroup`] for a group that holds none of this optimizer's
+    /// parameters; [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing
+    /// changes).
     pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        if !self.entries.iter().any(|e| e.group() == group) {
+            return Err(AmpError::UnknownParamGroup { group, groups: self.param_groups() });
+        }
         self.inner.set_group_lr(group, lr)
+    }
+
+    /// The parameter groups of this optimizer's parameters, sorted.
+    pub fn param_groups(&self) -> Vec<usize> {
+        let mut groups: Vec<usize> = self.entries.iter().map(ParamEntry::group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        groups
+    }
+
+    /// The diagnostics of the last overflow that made this optimizer skip a step (kept until
+    /// the next one): which parameters had inf/NaN gradients, with counts.
+    pub fn last_overflow(&self) -> Option<&OverflowReport> {
+        self.last_overflow.as_ref()
     }
 
     /// The learning rate of `group`.
@@ -208,26 +283,37 @@ impl AmpOptimizer {
     /// the fp16 model is then set to the masters rounded to fp16.
     ///
     /// # Errors
-    /// [`AmpError::GradientsStillScaled`] when the last `scale_loss` used `delay_unscale`;
-    /// [`AmpError::Torch`] if an update fails.
+    /// - [`AmpError::ScaleCollapsed`]: the step was skipped (as `Skipped`) and the scaler has
+    ///   overflowed `collapse_limit` passes in a row at its floor;
+    /// - [`AmpError::GradientsVanished`]: nothing stepped; the scale sits at its floor and the
+    ///   gradients were all zero `collapse_limit` passes in a row;
+    /// - [`AmpError::GradientsStillScaled`] when the last `scale_loss` used `delay_unscale`;
+    /// - [`AmpError::GradientsNotUnscaled`]: an fp16 model variable holds a gradient its fp32
+    ///   master lacks (a backward outside `scale_loss`); nothing changes;
+    /// - [`AmpError::NoGradients`]: no parameter has a gradient (no backward since the last
+    ///   step or `zero_grad`, e.g. a second `step()` after a skipped one); nothing changes;
+    /// - [`AmpError::Torch`] if an update fails.
     pub fn step(&mut self) -> Result<StepOutcome> {
         if let Some(skip) = self.skip_next.take() {
             // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex clears
             // only the masters of fp16 variables, so an fp32 variable's inf survives into the
             // next pass when the caller accumulates without zero_grad.)
             self.zero_grad()?;
-            self.skipped += 1;
-            if self.setup.verbosity >= 1 {
-                println!(
-                    "Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}",
-                    skip.loss_id, skip.loss_scale
-                );
+            self.skipped = self.skipped.saturating_add(1);
+            self.vanished = None;
+            self.last_overflow = Some(skip.report);
+            if let Some(collapse) = skip.collapse {
+                return Err(collapse.error());
             }
             return Ok(StepOutcome::Skipped { loss_id: skip.loss_id, loss_scale: skip.loss_scale });
+        }
+        if let Some(collapse) = self.vanished.take() {
+            return Err(collapse.error());
         }
         if self.scaled_pending {
             return Err(AmpError::GradientsStillScaled);
         }
+        self.check_gradients()?;
         if self.setup.disable_casts_in_step {
             crate::cast::disable::without_casts(|| self.inner.step())??;
         } else {
@@ -239,7 +325,7 @@ impl AmpOptimizer {
         for m in self.entries.iter().filter_map(ParamEntry::master) {
             clear_grad(m)?;
         }
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         Ok(StepOutcome::Stepped)
     }
 
@@ -289,6 +375,78 @@ impl AmpOptimizer {
     /// own dtype unless `fp32_optimizer_state` is on.
     pub(crate) fn has_low_precision_params_without_masters(&self) -> bool {
         self.entries.iter().any(|e| e.master().is_none() && crate::dtype::is_low_precision(e.model().kind()))
+    }
+
+    /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
+    /// gradient.
+    fn check_gradients(&self) -> Result<()> {
+        let stray: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|e| e.master().is_some() && e.model().grad().defined())
+            .take(5)
+            .map(|e| e.name().to_string())
+            .collect();
+        if !stray.is_empty() {
+            return Err(AmpError::GradientsNotUnscaled { params: stray });
+        }
+        if !self.entries.iter().any(|e| e.update_target().grad().defined()) {
+            return Err(AmpError::NoGradients);
+        }
+        Ok(())
+    }
+
+    /// The parameters whose gradients hold inf or NaN, in model order, with counts (one host
+    /// read). Run on the overflow path only.
+    pub(crate) fn non_finite_grads(&self) -> Result<Vec<NonFiniteGrad>> {
+        count_scan();
+        let _no_grad = tch::no_grad_guard();
+        let mut order: Vec<&ParamEntry> = self.entries.iter().collect();
+        order.sort_by_key(|e| e.order());
+        let mut names = Vec::new();
+        let mut counts = Vec::new();
+        for e in order {
+            let g = e.update_target().grad();
+            if !g.defined() {
+                continue;
+            }
+            counts.push(g.f_isinf().and_then(|t| t.f_sum(Kind::Int64)).ctx("counting inf gradients")?);
+            counts.push(g.f_isnan().and_then(|t| t.f_sum(Kind::Int64)).ctx("counting NaN gradients")?);
+            names.push(e.name());
+        }
+        if counts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let all = Tensor::f_stack(&counts, 0).and_then(|t| t.f_to_device(Device::Cpu)).ctx("counting")?;
+        let all = Vec::<i64>::try_from(&all).ctx("reading the counts")?;
+        Ok(names
+            .into_iter()
+            .zip(all.chunks(2))
+            .filter(|(_, c)| c[0] > 0 || c[1] > 0)
+            .map(|(name, c)| NonFiniteGrad { name: name.to_string(), inf: c[0] as u64, nan: c[1] as u64 })
+            .collect())
+    }
+
+    /// Whether every gradient is exactly zero (`None` when no parameter has one); one host
+    /// read. Run only with the scale at its floor.
+    pub(crate) fn grads_all_zero(&self) -> Result<Option<bool>> {
+        count_scan();
+        let _no_grad = tch::no_grad_guard();
+        let mut nonzero = Vec::new();
+        for e in &self.entries {
+            let g = e.update_target().grad();
+            if g.defined() {
+                nonzero.push(g.f_ne(0.0).and_then(|t| t.f_any()).ctx("checking for zero gradients")?);
+            }
+        }
+        if nonzero.is_empty() {
+            return Ok(None);
+        }
+        let any = Tensor::f_stack(&nonzero, 0)
+            .and_then(|t| t.f_any())
+            .and_then(|t| t.f_int64_value(&[]))
+            .ctx("checking for zero gradients")?;
+        Ok(Some(any == 0))
     }
 
     /// For each parameter, whether it has an fp32 master.
@@ -382,8 +540,18 @@ impl AmpOptimizer {
         Ok(())
     }
 
-    pub(crate) fn mark_skip(&mut self, loss_id: usize, loss_scale: f64) {
-        self.skip_next = Some(PendingSkip { loss_id, loss_scale });
+    pub(crate) fn mark_skip(
+        &mut self,
+        loss_id: usize,
+        loss_scale: f64,
+        report: OverflowReport,
+        collapse: Option<CollapseInfo>,
+    ) {
+        self.skip_next = Some(PendingSkip { loss_id, loss_scale, report, collapse });
+    }
+
+    pub(crate) fn mark_vanished(&mut self, collapse: CollapseInfo) {
+        self.vanished = Some(collapse);
     }
 }
 
@@ -405,6 +573,13 @@ impl AmpOptimizer {
             .collect();
         OptimizerRecord {
             kind: self.inner.config().name().to_string(),
+            hyper_parameters: self
+                .inner
+                .config()
+                .hyper_parameters()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
             lr: self.inner.lr(),
             group_lr: self.inner.group_lrs().clone(),
             steps: self.steps,
@@ -437,7 +612,27 @@ impl AmpOptimizer {
                 self.inner.config().name()
             )));
         }
+        let ours: BTreeMap<String, f64> =
+            self.inner.config().hyper_parameters().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let same = ours.len() == record.hyper_parameters.len()
+            && ours
+                .iter()
+                .zip(&record.hyper_parameters)
+                .all(|((k, v), (rk, rv))| k == rk && v.to_bits() == rv.to_bits());
+        if !same {
+            return Err(mismatch(format!(
+                "the record's {} hyper-parameters are {:?}, this optimizer's are {ours:?}: build the optimizer with the \
+                 record's values",
+                record.kind, record.hyper_parameters
+            )));
+        }
         let lr_ok = |lr: f64| lr.is_finite() && lr >= 0.0;
+        let groups = self.param_groups();
+        if let Some(g) = record.group_lr.keys().find(|g| !groups.contains(g)) {
+            return Err(mismatch(format!(
+                "the record sets the learning rate of group {g}, this optimizer's groups are {groups:?}"
+            )));
+        }
         if !lr_ok(record.lr) || record.group_lr.values().any(|&v| !lr_ok(v)) {
             return Err(mismatch(format!(
                 "learning rates {} / {:?} must be finite and >= 0",
@@ -502,6 +697,7 @@ impl AmpOptimizer {
         self.skipped = staged.skipped;
         self.zero_grad()?;
         self.skip_next = None;
+        self.vanished = None;
         Ok(())
     }
 }

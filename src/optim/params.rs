@@ -12,6 +12,8 @@ pub(crate) struct ParamEntry {
     name: String,
     model: Tensor,
     group: usize,
+    /// Position in the VarStore's creation order (model order, for diagnostics).
+    order: usize,
     master: Option<Tensor>,
 }
 
@@ -27,6 +29,10 @@ impl ParamEntry {
     /// The parameter group (tch's `Path::set_group`), for per-group learning rates.
     pub(crate) fn group(&self) -> usize {
         self.group
+    }
+    /// Position of the variable in the VarStore's creation order (model order).
+    pub(crate) fn order(&self) -> usize {
+        self.order
     }
     /// The fp32 master copy of a low-precision variable under master weights. Variables that
     /// are already fp32 (batch norm under O2) are their own masters: `None`.
@@ -82,8 +88,10 @@ pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bo
         } else {
             None
         };
-        let group = groups.iter().find(|(t, _)| t.is_set_to(var)).map_or(0, |(_, g)| *g);
-        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), group, master });
+        let found = groups.iter().position(|(t, _)| t.is_set_to(var));
+        let group = found.map_or(0, |i| groups[i].1);
+        let order = found.unwrap_or(usize::MAX);
+        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), group, order, master });
     }
     Ok(entries)
 }

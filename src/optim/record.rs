@@ -11,6 +11,10 @@ use tch::Tensor;
 pub struct OptimizerRecord {
     /// The optimizer's kind: `"sgd"`, `"adam"`, `"adamw"` or `"rmsprop"`.
     pub kind: String,
+    /// The hyper-parameters besides the learning rate
+    /// ([`crate::OptimizerConfig::hyper_parameters`]); a record loads only into an optimizer
+    /// with the same values.
+    pub hyper_parameters: BTreeMap<String, f64>,
     /// Learning rate of the parameter groups without their own.
     pub lr: f64,
     /// Per-group learning rates, by tch parameter group.

@@ -143,6 +143,89 @@ impl OptimizerConfig {
     }
 }
 
+impl OptimizerConfig {
+    /// The hyper-parameters besides the learning rate, by torch.optim's names (`momentum`,
+    /// `dampening`, `weight_decay`, `nesterov`, `beta1`, `beta2`, `eps`, `amsgrad`, `alpha`,
+    /// `centered`, `maximize`; flags as 0 or 1). Checkpoints record them, and a checkpoint made with other
+    /// values does not load.
+    pub fn hyper_parameters(&self) -> BTreeMap<&'static str, f64> {
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let pairs: Vec<(&'static str, f64)> = match self.algorithm {
+            Algorithm::Sgd(c) => vec![
+                ("momentum", c.momentum),
+                ("dampening", c.dampening),
+                ("weight_decay", c.wd),
+                ("nesterov", flag(c.nesterov)),
+            ],
+            Algorithm::Adam(nn::Adam { beta1, beta2, wd, eps, amsgrad })
+            | Algorithm::AdamW(nn::AdamW { beta1, beta2, wd, eps, amsgrad }) => {
+                vec![("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", wd), ("amsgrad", flag(amsgrad))]
+            }
+            Algorithm::RmsProp(c) => vec![
+                ("alpha", c.alpha),
+                ("eps", c.eps),
+                ("weight_decay", c.wd),
+                ("momentum", c.momentum),
+                ("centered", flag(c.centered)),
+            ],
+        };
+        pairs.into_iter().chain([("maximize", flag(self.maximize))]).collect()
+    }
+
+    /// Checks `lr` and the hyper-parameters as torch.optim's constructors do (their
+    /// `ValueError`s): lr >= 0; SGD momentum >= 0, weight_decay >= 0, Nesterov only with
+    /// momentum > 0 and dampening 0; Adam/AdamW eps >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
+    /// weight_decay >= 0; RMSprop lr, eps, momentum, weight_decay, alpha >= 0. Stricter than
+    /// torch: every value must also be finite (torch accepts an infinite lr and a NaN SGD
+    /// momentum or dampening, which turn the weights NaN at the first step).
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] naming the first bad value, with torch's wording.
+    pub fn validate(&self, lr: f64) -> Result<()> {
+        fn check(ok: bool, option: &'static str, value: f64, expected: &'static str) -> Result<()> {
+            if ok && value.is_finite() {
+                Ok(())
+            } else {
+                Err(AmpError::InvalidOption { option, value: value.to_string(), expected })
+            }
+        }
+        let non_negative = |option: &'static str, v: f64| check(v >= 0.0, option, v, "a finite number >= 0");
+        let beta = |option: &'static str, v: f64| {
+            check((0.0..1.0).contains(&v), option, v, "a number in [0, 1) (torch: \"Invalid beta parameter\")")
+        };
+        non_negative("lr", lr)?;
+        match self.algorithm {
+            Algorithm::Sgd(c) => {
+                non_negative("momentum", c.momentum)?;
+                check(c.dampening.is_finite(), "dampening", c.dampening, "a finite number")?;
+                non_negative("weight_decay", c.wd)?;
+                if c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0) {
+                    return Err(AmpError::InvalidOption {
+                        option: "nesterov",
+                        value: format!("true with momentum {} and dampening {}", c.momentum, c.dampening),
+                        expected: "momentum > 0 and dampening 0 (torch: \"Nesterov momentum requires a momentum and \
+                                   zero dampening\")",
+                    });
+                }
+            }
+            Algorithm::Adam(nn::Adam { beta1, beta2, wd, eps, .. })
+            | Algorithm::AdamW(nn::AdamW { beta1, beta2, wd, eps, .. }) => {
+                non_negative("eps", eps)?;
+                beta("beta1", beta1)?;
+                beta("beta2", beta2)?;
+                non_negative("weight_decay", wd)?;
+            }
+            Algorithm::RmsProp(c) => {
+                non_negative("eps", c.eps)?;
+                non_negative("momentum", c.momentum)?;
+                non_negative("weight_decay", c.wd)?;
+                non_negative("alpha", c.alpha)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Per-parameter state: the step count and the named buffers.
 #[derive(Debug, Default)]
 pub(crate) struct ParamState {

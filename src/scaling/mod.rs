@@ -1,8 +1,11 @@
 //! Loss scaling: Apex's dynamic loss scaler (one per loss) and the scalers' state dict in
 //! Apex's and torch `GradScaler`'s forms.
+mod overflow;
 mod scaler;
 mod state_dict;
 
+pub use overflow::{NonFiniteGrad, OverflowReport};
+pub(crate) use scaler::Collapse;
 pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
 pub use state_dict::AmpState;
 pub(crate) use state_dict::{apply_state, parse_state, state_dict, ParsedState};

@@ -37,11 +37,11 @@ pub(crate) fn parse_state(scalers: &[LossScaler], state: &Value) -> Result<Parse
     if obj.len() != n {
         return Err(mismatch(format!("the state holds {} loss scalers, this Amp has num_losses = {n}", obj.len())));
     }
-    for i in 0..n {
+    for (i, scaler) in scalers.iter().enumerate() {
         let key = format!("loss_scaler{i}");
         let v = obj.get(&key).ok_or_else(|| mismatch(format!("missing {key}")))?;
         let s: ScalerState = serde_json::from_value(v.clone()).map_err(|e| mismatch(format!("{key}: {e}")))?;
-        check_scale(&key, s.loss_scale)?;
+        scaler.check_state(&s, scaler.growth_interval()).map_err(|e| mismatch(format!("{key}: {e}")))?;
         parsed.push(s);
     }
     Ok(ParsedState::Apex(parsed))
@@ -82,7 +82,6 @@ fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value
     let current = &scalers[0];
     let (g0, b0) = current.factors();
     let scale = num("scale")?.ok_or_else(|| mismatch("GradScaler state without \"scale\""))?;
-    check_scale("scale", scale)?;
     let growth = num("growth_factor")?.unwrap_or(g0);
     let backoff = num("backoff_factor")?.unwrap_or(b0);
     let interval = num("growth_interval")?.unwrap_or(current.growth_interval() as f64);
@@ -93,11 +92,20 @@ fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value
     if !(backoff > 0.0 && backoff < 1.0) {
         return Err(mismatch(format!("backoff_factor {backoff} must be in (0, 1)")));
     }
-    if !(interval >= 1.0 && interval.fract() == 0.0 && tracker >= 0.0 && tracker.fract() == 0.0) {
-        return Err(mismatch("growth_interval and _growth_tracker must be non-negative integers (interval >= 1)"));
+    if !((1.0..=MAX_INTERVAL).contains(&interval)
+        && interval.fract() == 0.0
+        && tracker >= 0.0
+        && tracker.fract() == 0.0)
+    {
+        return Err(mismatch(format!(
+            "growth_interval {interval} and _growth_tracker {tracker} must be integers, 1 <= interval <= 2^53, tracker >= 0"
+        )));
     }
-    let state = ScalerState { loss_scale: scale, unskipped: tracker as u64 };
-    Ok(ParsedState::GradScaler { state, growth, backoff, interval: interval as u64 })
+    // Both are below 2^53 here, so the conversions are exact.
+    let (interval, tracker) = (interval as u64, tracker.min(MAX_INTERVAL) as u64);
+    let state = ScalerState { loss_scale: scale, unskipped: tracker, hysteresis_left: None, recovery_target: None };
+    current.check_state(&state, interval).map_err(|e| mismatch(format!("GradScaler state: {e}")))?;
+    Ok(ParsedState::GradScaler { state, growth, backoff, interval })
 }
 
 /// A checked state, ready to apply.
@@ -106,10 +114,6 @@ pub(crate) enum ParsedState {
     GradScaler { state: ScalerState, growth: f64, backoff: f64, interval: u64 },
 }
 
-fn check_scale(key: &str, scale: f64) -> Result<()> {
-    if scale.is_finite() && scale > 0.0 {
-        Ok(())
-    } else {
-        Err(mismatch(format!("{key}: loss scale {scale} must be finite and positive")))
-    }
-}
+/// The largest growth interval a GradScaler state may carry: 2^53, where f64 still counts
+/// exactly (a larger one never grows anyway).
+const MAX_INTERVAL: f64 = 9_007_199_254_740_992.0;

@@ -3,15 +3,20 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod bad_calls;
 mod checkpointing;
 mod clip;
+mod crash;
 mod foundation;
+mod fuzz;
 mod initialize;
 mod memory;
 mod multiple_models;
 mod opt_levels;
 mod optim;
 mod optim_bitwise;
+mod reliability;
 mod scaler;
+mod soak;
 mod state_dict;
 mod unscale;

@@ -88,3 +88,59 @@ pub fn leaf(shape: &[i64], kind: Kind) -> Tensor {
 pub fn to_vec(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.to_kind(Kind::Float).flatten(0, -1)).unwrap()
 }
+
+/// A seeded ChaCha generator (proptest's), for the randomized reliability tests.
+pub fn rng(seed: u64) -> proptest::test_runner::TestRng {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    proptest::test_runner::TestRng::from_seed(proptest::test_runner::RngAlgorithm::ChaCha, &bytes)
+}
+
+/// Whether every tensor of `tensors` holds only finite values (one host read).
+pub fn all_finite(tensors: &[Tensor]) -> bool {
+    let flags: Vec<Tensor> = tensors
+        .iter()
+        .filter(|t| t.defined() && t.is_floating_point())
+        .map(|t| t.isfinite().all().reshape([1]))
+        .collect();
+    flags.is_empty() || Tensor::cat(&flags, 0).all().int64_value(&[]) == 1
+}
+
+/// Runs `body` in a child process of this test binary with one intra-op thread
+/// (`OMP_NUM_THREADS=1`): the test binary is started again with `--exact name`, and the child
+/// (which sees `TCH_AMP_ISOLATED`) runs the body. For long loops of tiny ops, where OpenMP's
+/// spinning worker threads cost more than they bring on a loaded 2-core machine (batch norm
+/// on CPU opens a parallel region whatever the size). The child is killed after
+/// `limit_s` seconds; its output is forwarded.
+pub fn isolated(name: &str, limit_s: u64, body: impl FnOnce()) {
+    if std::env::var_os("TCH_AMP_ISOLATED").is_some() {
+        body();
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env("TCH_AMP_ISOLATED", "1")
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if start.elapsed().as_secs() > limit_s {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    eprint!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let status = status.unwrap_or_else(|| panic!("{name}: the child ran past {limit_s} s and was killed"));
+    assert!(status.success(), "{name}: the child failed ({status})");
+    let ran = String::from_utf8_lossy(&out.stdout).contains("1 passed");
+    assert!(ran, "{name}: the child ran no test");
+}
