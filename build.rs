@@ -49,6 +49,8 @@ fn main() {
         .std("c++17")
         .include(torch_dir.join("include"))
         .include(torch_dir.join("include/torch/csrc/api/include"))
+        // Declaration-only gloo stand-ins for ProcessGroupGloo.hpp (src/shim/gloo_stub/README.md).
+        .include("src/shim/gloo_stub")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
         .flag_if_supported("-Wno-unused-parameter")

@@ -82,6 +82,7 @@ mod optim;
 mod properties;
 mod scaler;
 pub mod o1;
+pub mod distributed;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
