@@ -159,21 +159,46 @@ pub struct DistributedDataParallel<M> {
     require_forward_param_sync: Cell<bool>,
 }
 
-/// The trainable variables of `vs` in creation order (torch's `named_parameters()` order), and
-/// the other variables (buffers) sorted by name.
+/// The trainable variables of `vs` in torch's `named_parameters()` order for a model built in
+/// the order its Python twin registers submodules: modules in the order their first variable
+/// was created, and within a module `weight` before `bias` (tch creates `bias` first) before
+/// the rest in creation order. Then the other variables (buffers), sorted by name.
 fn params_and_buffers(vs: &VarStore) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
     let v = vs
         .variables_
         .lock()
         .map_err(|_| DistError::Usage { message: "the VarStore's lock is poisoned".into() })?;
-    let params: Vec<Tensor> =
-        v.trainable_variables.iter().map(|var| var.tensor.shallow_clone()).filter(Tensor::requires_grad).collect();
+    let name_of = |t: &Tensor| v.named_variables.iter().find(|(_, x)| x.is_set_to(t)).map(|(n, _)| n.clone());
+    let mut modules: Vec<String> = Vec::new();
+    let mut keyed: Vec<(usize, u8, usize, Tensor)> = Vec::new();
+    for (i, var) in v.trainable_variables.iter().enumerate() {
+        if !var.tensor.requires_grad() {
+            continue;
+        }
+        let name = name_of(&var.tensor).unwrap_or_default();
+        let (module, leaf) = name.rsplit_once('.').unwrap_or(("", name.as_str()));
+        let m = match modules.iter().position(|x| x == module) {
+            Some(m) => m,
+            None => {
+                modules.push(module.to_string());
+                modules.len() - 1
+            }
+        };
+        let rank = match leaf {
+            "weight" => 0,
+            "bias" => 1,
+            _ => 2,
+        };
+        keyed.push((m, rank, i, var.tensor.shallow_clone()));
+    }
+    keyed.sort_by_key(|(m, rank, i, _)| (*m, *rank, *i));
+    let params: Vec<Tensor> = keyed.into_iter().map(|(_, _, _, t)| t).collect();
     let mut names: Vec<&String> = v.named_variables.keys().collect();
     names.sort();
     let buffers = names
         .into_iter()
         .map(|n| &v.named_variables[n])
-        .filter(|t| !params.iter().any(|p| p.is_set_to(t)))
+        .filter(|t| !v.trainable_variables.iter().any(|p| p.tensor.is_set_to(t)))
         .map(Tensor::shallow_clone)
         .collect();
     Ok((params, buffers))

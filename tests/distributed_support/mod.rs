@@ -31,6 +31,11 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// Starts `cmd` as the peer.
+    pub fn spawn(cmd: &mut Command) -> Self {
+        Self { child: Some(cmd.stdin(Stdio::null()).spawn().expect("spawn the peer")) }
+    }
+
     /// Kills the peer now (SIGKILL) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
