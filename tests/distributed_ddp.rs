@@ -11,6 +11,7 @@
 //!   gradient element, carried into the fp32 masters by lr; the fp16 model may then round to a
 //!   neighbouring fp16 value: |Δw| < 1e-3, two fp16 ulps of a weight below 1 (measured 2.4e-4,
 //!   one ulp in [0.25, 0.5)).
+//!
 //! Between the two ranks nothing may differ: both apply the same averaged gradient, so their
 //! weights, masters and scales are compared bit for bit.
 mod distributed_support;
