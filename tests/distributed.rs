@@ -37,7 +37,10 @@ fn allreduce_sum_avg_max_exact_values() {
             assert_eq!(got[2].abs(), want[2].abs(), "{op:?}"); // -0 vs 0 for the product
         }
         // Several tensors in flight together, int64 sum.
-        let mut many = vec![Tensor::from_slice(&[side.rank as i64 + 5]), Tensor::ones([2, 3], (Kind::Float, Device::Cpu))];
+        let mut many = vec![
+            Tensor::from_slice(&[side.rank as i64 + 5]),
+            Tensor::ones([2, 3], (Kind::Float, Device::Cpu)),
+        ];
         pg.all_reduce_many_(&mut many, ReduceOp::Sum).unwrap();
         assert_eq!(many[0].int64_value(&[0]), 11);
         assert_eq!(f32s(&many[1]), vec![2.0; 6]);
@@ -50,7 +53,10 @@ fn allreduce_sum_avg_max_exact_values() {
         pg.broadcast_(&mut b, 1).unwrap();
         assert_eq!(f32s(&b), vec![7.0, 1.0]);
         let g = pg.all_gather(&Tensor::from_slice(&[r, r * r + 1.0])).unwrap();
-        assert_eq!(g.iter().map(f32s).collect::<Vec<_>>(), vec![vec![0.0, 1.0], vec![1.0, 2.0]]);
+        assert_eq!(
+            g.iter().map(f32s).collect::<Vec<_>>(),
+            vec![vec![0.0, 1.0], vec![1.0, 2.0]]
+        );
         pg.barrier().unwrap();
         let err = pg.broadcast_(&mut b, 2).unwrap_err();
         assert!(matches!(err, DistError::InvalidOption { option: "root", .. }), "{err}");
@@ -65,7 +71,17 @@ fn missing_peer_is_a_rendezvous_error_within_the_timeout() {
     let err = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", free_port()).timeout(timeout)).unwrap_err();
     let took = start.elapsed();
     eprintln!("no peer ({took:?}): {err}");
-    assert!(matches!(err, DistError::Rendezvous { rank: 0, world_size: 2, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DistError::Rendezvous {
+                rank: 0,
+                world_size: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // Bounded: the 2 s timeout plus start-up, far from a hang.
     assert!(took < Duration::from_secs(30), "took {took:?}");
 }
@@ -74,27 +90,30 @@ fn missing_peer_is_a_rendezvous_error_within_the_timeout() {
 /// peer error, within the timeout.
 #[test]
 fn killed_peer_gives_a_typed_error_within_the_timeout() {
-    two_ranks("killed_peer_gives_a_typed_error_within_the_timeout", |side: &mut Side| {
-        let pg = side.group();
-        pg.set_timeout(Duration::from_secs(5)).unwrap();
-        pg.barrier().unwrap();
-        if side.rank == 1 {
-            // Wait to be killed (bounded, in case rank 0 is gone).
-            std::thread::sleep(Duration::from_secs(60));
-            return;
-        }
-        side.peer.as_mut().unwrap().kill();
-        let start = Instant::now();
-        let mut t = Tensor::ones([1000], (Kind::Float, Device::Cpu));
-        let err = pg.all_reduce_(&mut t, ReduceOp::Sum).unwrap_err();
-        let took = start.elapsed();
-        eprintln!("rank 0 after the peer was killed ({took:?}): {err}");
-        assert!(err.is_peer_failure(), "{err:?}");
-        assert!(took < Duration::from_secs(30), "took {took:?}");
-        let err = pg.barrier().unwrap_err();
-        assert!(err.is_peer_failure(), "{err:?}");
-        side.peer = None;
-    });
+    two_ranks(
+        "killed_peer_gives_a_typed_error_within_the_timeout",
+        |side: &mut Side| {
+            let pg = side.group();
+            pg.set_timeout(Duration::from_secs(5)).unwrap();
+            pg.barrier().unwrap();
+            if side.rank == 1 {
+                // Wait to be killed (bounded, in case rank 0 is gone).
+                std::thread::sleep(Duration::from_secs(60));
+                return;
+            }
+            side.peer.as_mut().unwrap().kill();
+            let start = Instant::now();
+            let mut t = Tensor::ones([1000], (Kind::Float, Device::Cpu));
+            let err = pg.all_reduce_(&mut t, ReduceOp::Sum).unwrap_err();
+            let took = start.elapsed();
+            eprintln!("rank 0 after the peer was killed ({took:?}): {err}");
+            assert!(err.is_peer_failure(), "{err:?}");
+            assert!(took < Duration::from_secs(30), "took {took:?}");
+            let err = pg.barrier().unwrap_err();
+            assert!(err.is_peer_failure(), "{err:?}");
+            side.peer = None;
+        },
+    );
 }
 
 #[test]
@@ -112,8 +131,11 @@ fn env_init_reports_missing_variables() {
 #[test]
 fn sampler_matches_torch_distributed_sampler() {
     let idx = |len, rank, shuffle, seed, drop_last, epoch| {
-        let mut s =
-            DistributedSampler::new(len, 3, rank).unwrap().shuffle(shuffle).seed(seed).drop_last(drop_last);
+        let mut s = DistributedSampler::new(len, 3, rank)
+            .unwrap()
+            .shuffle(shuffle)
+            .seed(seed)
+            .drop_last(drop_last);
         s.set_epoch(epoch);
         s.indices().unwrap()
     };
@@ -126,7 +148,11 @@ fn sampler_matches_torch_distributed_sampler() {
     // Padding longer than the data set (2 items, 3 replicas... 2 -> 3).
     assert_eq!(idx(2, 2, false, 0, false, 0), vec![0]);
     for &(len, rank, seed, drop_last, epoch, want) in SHUFFLED {
-        assert_eq!(idx(len, rank, true, seed, drop_last, epoch), want.to_vec(), "len {len} rank {rank} seed {seed} epoch {epoch}");
+        assert_eq!(
+            idx(len, rank, true, seed, drop_last, epoch),
+            want.to_vec(),
+            "len {len} rank {rank} seed {seed} epoch {epoch}"
+        );
     }
     let err = DistributedSampler::new(10, 2, 2).unwrap_err();
     assert!(matches!(err, DistError::InvalidOption { .. }), "{err}");
@@ -141,8 +167,15 @@ const SHUFFLED: &[Shuffled] = &[
     (10, 0, 0, false, 1, &[5, 2, 9, 4]),
     (10, 2, 7, true, 3, &[6, 5, 2]),
     (
-        100, 1, 42, false, 5,
-        &[27, 44, 37, 71, 16, 46, 49, 76, 28, 65, 45, 64, 53, 92, 9, 61, 79, 63, 86, 73, 23, 60, 21, 30, 99, 78, 84, 57, 50, 6, 54, 14, 22, 55],
+        100,
+        1,
+        42,
+        false,
+        5,
+        &[
+            27, 44, 37, 71, 16, 46, 49, 76, 28, 65, 45, 64, 53, 92, 9, 61, 79, 63, 86, 73, 23, 60, 21, 30, 99, 78, 84,
+            57, 50, 6, 54, 14, 22, 55,
+        ],
     ),
     (2, 2, 1, false, 0, &[1]),
 ];

@@ -51,7 +51,12 @@ fn config(level: OptLevel) -> AmpConfig {
 }
 
 fn sgd() -> nn::Sgd {
-    nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: false }
+    nn::Sgd {
+        momentum: 0.9,
+        dampening: 0.0,
+        wd: 1e-4,
+        nesterov: false,
+    }
 }
 
 /// Variables of `vs` by sorted name, as f64 copies.
@@ -59,7 +64,10 @@ fn snapshot(vs: &VarStore) -> Vec<(String, Tensor)> {
     let vars = vs.variables();
     let mut names: Vec<_> = vars.keys().cloned().collect();
     names.sort();
-    names.into_iter().map(|n| (n.clone(), vars[&n].to_kind(Kind::Double))).collect()
+    names
+        .into_iter()
+        .map(|n| (n.clone(), vars[&n].to_kind(Kind::Double)))
+        .collect()
 }
 
 fn masters(opt: &AmpOptimizer) -> Vec<Tensor> {
@@ -89,14 +97,25 @@ fn reference(level: OptLevel, seed: i64) -> Vec<StepRecord> {
             amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
             let norm = opt.clip_grad_norm(0.5, 2.0).unwrap();
             let stepped = opt.step().unwrap().stepped();
-            StepRecord { weights: snapshot(&vs), masters: masters(&opt), loss_scale: amp.loss_scale(0).unwrap(), stepped, norm }
+            StepRecord {
+                weights: snapshot(&vs),
+                masters: masters(&opt),
+                loss_scale: amp.loss_scale(0).unwrap(),
+                stepped,
+                norm,
+            }
         })
         .collect()
 }
 
 /// Rank `pg.rank()` of two, rows [rank*B, (rank+1)*B) of each global batch, its own init seed;
 /// `inject_inf`: (rank, step) whose input gets an inf.
-fn ddp_run(pg: &ProcessGroup, level: OptLevel, options: DdpOptions, inject_inf: Option<(usize, usize)>) -> Vec<StepRecord> {
+fn ddp_run(
+    pg: &ProcessGroup,
+    level: OptLevel,
+    options: DdpOptions,
+    inject_inf: Option<(usize, usize)>,
+) -> Vec<StepRecord> {
     let rank = pg.rank();
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(1 + rank as i64); // differently seeded ranks: the broadcast makes them equal
@@ -112,7 +131,11 @@ fn ddp_run(pg: &ProcessGroup, level: OptLevel, options: DdpOptions, inject_inf: 
         assert_same_on_all_ranks(pg, m, &format!("master {i}"));
     }
     let after = vs.variables()["fc1.weight"].to_kind(Kind::Double);
-    assert_eq!(before.equal(&after), rank == 0, "rank {rank}: the broadcast must replace rank 1's init");
+    assert_eq!(
+        before.equal(&after),
+        rank == 0,
+        "rank {rank}: the broadcast must replace rank 1's init"
+    );
     (0..STEPS)
         .map(|step| {
             let (x, y) = global_batch(step);
@@ -129,8 +152,13 @@ fn ddp_run(pg: &ProcessGroup, level: OptLevel, options: DdpOptions, inject_inf: 
                 StepOutcome::Stepped => true,
                 StepOutcome::Skipped { .. } => false,
             };
-            let rec =
-                StepRecord { weights: snapshot(&vs), masters: masters(&opt), loss_scale: amp.loss_scale(0).unwrap(), stepped, norm };
+            let rec = StepRecord {
+                weights: snapshot(&vs),
+                masters: masters(&opt),
+                loss_scale: amp.loss_scale(0).unwrap(),
+                stepped,
+                norm,
+            };
             for (name, w) in &rec.weights {
                 assert_same_on_all_ranks(pg, w, &format!("step {step} {name}"));
             }
@@ -155,7 +183,12 @@ fn compare(level: OptLevel, got: &[StepRecord], want: &[StepRecord], tol: f64) -
     for (step, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g.stepped, w.stepped, "{level:?} step {step}");
         assert_eq!(g.loss_scale, w.loss_scale, "{level:?} step {step}");
-        assert!((g.norm - w.norm).abs() <= 1e-3 * w.norm.max(1e-6), "{level:?} step {step}: norm {} vs {}", g.norm, w.norm);
+        assert!(
+            (g.norm - w.norm).abs() <= 1e-3 * w.norm.max(1e-6),
+            "{level:?} step {step}: norm {} vs {}",
+            g.norm,
+            w.norm
+        );
         for ((name, a), (_, b)) in g.weights.iter().zip(&w.weights) {
             let d = max_diff(a, b);
             worst = worst.max(d);
@@ -172,26 +205,32 @@ fn compare(level: OptLevel, got: &[StepRecord], want: &[StepRecord], tol: f64) -
 
 #[test]
 fn two_ranks_equal_one_process_on_the_concatenated_batch_o0() {
-    two_ranks("two_ranks_equal_one_process_on_the_concatenated_batch_o0", |side: &mut Side| {
-        let pg = side.group();
-        // Small buckets: several allreduces overlapping with backward after the first step.
-        let got = ddp_run(&pg, OptLevel::O0, DdpOptions::default().message_size(200), None);
-        let want = reference(OptLevel::O0, 1);
-        let worst = compare(OptLevel::O0, &got, &want, 1e-6);
-        eprintln!("O0: worst |Δ| vs one process = {worst:e}");
-    });
+    two_ranks(
+        "two_ranks_equal_one_process_on_the_concatenated_batch_o0",
+        |side: &mut Side| {
+            let pg = side.group();
+            // Small buckets: several allreduces overlapping with backward after the first step.
+            let got = ddp_run(&pg, OptLevel::O0, DdpOptions::default().message_size(200), None);
+            let want = reference(OptLevel::O0, 1);
+            let worst = compare(OptLevel::O0, &got, &want, 1e-6);
+            eprintln!("O0: worst |Δ| vs one process = {worst:e}");
+        },
+    );
 }
 
 #[test]
 fn two_ranks_equal_one_process_on_the_concatenated_batch_o2() {
-    two_ranks("two_ranks_equal_one_process_on_the_concatenated_batch_o2", |side: &mut Side| {
-        let pg = side.group();
-        let got = ddp_run(&pg, OptLevel::O2, DdpOptions::default(), None);
-        let want = reference(OptLevel::O2, 1);
-        assert!(got.iter().all(|r| r.stepped));
-        let worst = compare(OptLevel::O2, &got, &want, 1e-3);
-        eprintln!("O2: worst |Δ| vs one process = {worst:e}");
-    });
+    two_ranks(
+        "two_ranks_equal_one_process_on_the_concatenated_batch_o2",
+        |side: &mut Side| {
+            let pg = side.group();
+            let got = ddp_run(&pg, OptLevel::O2, DdpOptions::default(), None);
+            let want = reference(OptLevel::O2, 1);
+            assert!(got.iter().all(|r| r.stepped));
+            let worst = compare(OptLevel::O2, &got, &want, 1e-3);
+            eprintln!("O2: worst |Δ| vs one process = {worst:e}");
+        },
+    );
 }
 
 #[test]
@@ -200,8 +239,14 @@ fn inf_on_one_rank_skips_the_step_on_both() {
         let pg = side.group();
         let got = ddp_run(&pg, OptLevel::O2, DdpOptions::default(), Some((1, 1)));
         // Step 1 skipped on both ranks (checked equal across ranks inside ddp_run), scale halved.
-        assert_eq!(got.iter().map(|r| r.stepped).collect::<Vec<_>>(), vec![true, false, true, true]);
-        assert_eq!(got.iter().map(|r| r.loss_scale).collect::<Vec<_>>(), vec![8192.0, 4096.0, 4096.0, 4096.0]);
+        assert_eq!(
+            got.iter().map(|r| r.stepped).collect::<Vec<_>>(),
+            vec![true, false, true, true]
+        );
+        assert_eq!(
+            got.iter().map(|r| r.loss_scale).collect::<Vec<_>>(),
+            vec![8192.0, 4096.0, 4096.0, 4096.0]
+        );
         for ((n, a), (_, b)) in got[0].weights.iter().zip(&got[1].weights) {
             assert!(a.equal(b), "{n} changed in a skipped step");
         }
@@ -223,10 +268,16 @@ fn ddp_grads(pg: &ProcessGroup, options: DdpOptions, micro_batches: usize) -> Ve
     // micro-batch m is the union over ranks of theirs.
     let mb = B / micro_batches as i64;
     for m in 0..micro_batches as i64 {
-        let rows = Tensor::arange_start(m * 2 * mb + rank * mb, m * 2 * mb + (rank + 1) * mb, (Kind::Int64, Device::Cpu));
+        let rows = Tensor::arange_start(
+            m * 2 * mb + rank * mb,
+            m * 2 * mb + (rank + 1) * mb,
+            (Kind::Int64, Device::Cpu),
+        );
         let last = m + 1 == micro_batches as i64;
         let _guard = (!last).then(|| ddp.no_sync());
-        let loss = ddp.forward_t(&x.index_select(0, &rows), true).mse_loss(&y.index_select(0, &rows), tch::Reduction::Mean);
+        let loss = ddp
+            .forward_t(&x.index_select(0, &rows), true)
+            .mse_loss(&y.index_select(0, &rows), tch::Reduction::Mean);
         amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
         if !last {
             // Under no_sync the gradients stay local: the ranks' differ.
@@ -235,7 +286,10 @@ fn ddp_grads(pg: &ProcessGroup, options: DdpOptions, micro_batches: usize) -> Ve
             assert!(!all[0].equal(&all[1]), "micro-batch {m} under no_sync was reduced");
         }
     }
-    opt.master_params().iter().map(|p| p.grad().to_kind(Kind::Double)).collect()
+    opt.master_params()
+        .iter()
+        .map(|p| p.grad().to_kind(Kind::Double))
+        .collect()
 }
 
 /// One process: the same micro-batches, each the union of the ranks' ones.
@@ -248,10 +302,15 @@ fn reference_grads(micro_batches: usize) -> Vec<Tensor> {
     opt.zero_grad().unwrap();
     let mb = 2 * B / micro_batches as i64;
     for m in 0..micro_batches as i64 {
-        let loss = model.forward_t(&x.narrow(0, m * mb, mb), true).mse_loss(&y.narrow(0, m * mb, mb), tch::Reduction::Mean);
+        let loss = model
+            .forward_t(&x.narrow(0, m * mb, mb), true)
+            .mse_loss(&y.narrow(0, m * mb, mb), tch::Reduction::Mean);
         amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
     }
-    opt.master_params().iter().map(|p| p.grad().to_kind(Kind::Double)).collect()
+    opt.master_params()
+        .iter()
+        .map(|p| p.grad().to_kind(Kind::Double))
+        .collect()
 }
 
 fn assert_grads(got: &[Tensor], want: &[Tensor], factor: f64, what: &str) {
@@ -272,11 +331,28 @@ fn apex_options_and_no_sync() {
         let pg = side.group();
         let want = reference_grads(1);
         assert_grads(&ddp_grads(&pg, DdpOptions::default(), 1), &want, 1.0, "average");
-        assert_grads(&ddp_grads(&pg, DdpOptions::default().gradient_average(false), 1), &want, 2.0, "sum");
-        let o = DdpOptions::default().gradient_predivide_factor(4.0).allreduce_always_fp32(true);
+        assert_grads(
+            &ddp_grads(&pg, DdpOptions::default().gradient_average(false), 1),
+            &want,
+            2.0,
+            "sum",
+        );
+        let o = DdpOptions::default()
+            .gradient_predivide_factor(4.0)
+            .allreduce_always_fp32(true);
         assert_grads(&ddp_grads(&pg, o, 1), &want, 1.0, "predivide 4, fp32");
-        assert_grads(&ddp_grads(&pg, DdpOptions::default().delay_allreduce(true), 1), &want, 1.0, "delay_allreduce");
+        assert_grads(
+            &ddp_grads(&pg, DdpOptions::default().delay_allreduce(true), 1),
+            &want,
+            1.0,
+            "delay_allreduce",
+        );
         let want2 = reference_grads(2);
-        assert_grads(&ddp_grads(&pg, DdpOptions::default().message_size(100), 2), &want2, 1.0, "no_sync accumulation");
+        assert_grads(
+            &ddp_grads(&pg, DdpOptions::default().message_size(100), 2),
+            &want2,
+            1.0,
+            "no_sync accumulation",
+        );
     });
 }

@@ -30,7 +30,10 @@ fn check<'a>(pg: &ProcessGroup, step: usize, what: &str, named: impl Iterator<It
     for (name, t) in named {
         let both = pg.all_gather(&t).expect("all_gather with the Python rank");
         let d = (&both[0] - &both[1]).abs().max().double_value(&[]);
-        assert!(both[0].equal(&both[1]), "step {step} {what} {name}: Python's differs by {d:e}");
+        assert!(
+            both[0].equal(&both[1]),
+            "step {step} {what} {name}: Python's differs by {d:e}"
+        );
     }
 }
 
@@ -42,7 +45,12 @@ fn rust_rank_and_python_rank_train_together() {
     tch::set_num_threads(1);
     let port = free_port();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dist_python_rank.py");
-    let mut peer = Peer::spawn(Command::new(python).arg(script).arg(port.to_string()).arg(STEPS.to_string()));
+    let mut peer = Peer::spawn(
+        Command::new(python)
+            .arg(script)
+            .arg(port.to_string())
+            .arg(STEPS.to_string()),
+    );
     let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(1);
@@ -53,12 +61,20 @@ fn rust_rank_and_python_rank_train_together() {
         .add(nn::linear(&p / "2", 32, 16, Default::default()))
         .add_fn(|x| x.tanh())
         .add(nn::linear(&p / "4", 16, 4, Default::default()));
-    let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: false };
+    let sgd = nn::Sgd {
+        momentum: 0.9,
+        dampening: 0.0,
+        wd: 1e-4,
+        nesterov: false,
+    };
     let (model, mut opt, mut amp) = initialize(&vs, net, sgd, 0.1, &AmpConfig::new(OptLevel::O0)).unwrap();
     // torch's DDP divides by the world size before the sum (Apex after it): the two ranks must
     // divide at the same place for their buckets to add up.
-    let options = DdpOptions::default().bucket_cap_bytes(25 << 20).gradient_predivide_factor(2.0);
-    let ddp = DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], options).expect("DDP with the Python rank");
+    let options = DdpOptions::default()
+        .bucket_cap_bytes(25 << 20)
+        .gradient_predivide_factor(2.0);
+    let ddp =
+        DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], options).expect("DDP with the Python rank");
     // torch's named_parameters() order, which the Python rank gathers in.
     let order = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"];
     for step in 0..STEPS {
@@ -71,7 +87,12 @@ fn rust_rank_and_python_rank_train_together() {
         let vars = vs.variables();
         check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
         assert!(opt.step().unwrap().stepped());
-        check(&pg, step, "weight", order.iter().map(|n| (*n, vars[*n].shallow_clone())));
+        check(
+            &pg,
+            step,
+            "weight",
+            order.iter().map(|n| (*n, vars[*n].shallow_clone())),
+        );
     }
     peer.expect_success(PEER_DEADLINE);
 }

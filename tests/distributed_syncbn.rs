@@ -16,7 +16,10 @@ const B: i64 = 4;
 const C: i64 = 3;
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
 }
 
 fn set_affine(weight: &Tensor, bias: &Tensor) {
@@ -45,67 +48,70 @@ struct Outcome {
 
 #[test]
 fn sync_batch_norm_equals_batch_norm_on_the_full_batch() {
-    two_ranks("sync_batch_norm_equals_batch_norm_on_the_full_batch", |side: &mut Side| {
-        let pg = side.group();
-        let cfg = BatchNormConfig::default();
-        let (x, g) = data();
-        // One process, the whole batch.
-        let want = {
+    two_ranks(
+        "sync_batch_norm_equals_batch_norm_on_the_full_batch",
+        |side: &mut Side| {
+            let pg = side.group();
+            let cfg = BatchNormConfig::default();
+            let (x, g) = data();
+            // One process, the whole batch.
+            let want = {
+                let vs = VarStore::new(Device::Cpu);
+                let bn = nn::batch_norm2d(vs.root() / "bn", C, cfg);
+                set_affine(bn.ws.as_ref().unwrap(), bn.bs.as_ref().unwrap());
+                let x = x.detach().set_requires_grad(true);
+                let y = bn.forward_t(&x, true);
+                (&y * &g).sum(Kind::Float).backward();
+                let y_eval = bn.forward_t(&x, false).detach();
+                Outcome {
+                    y: y.detach(),
+                    dx: x.grad(),
+                    dw: bn.ws.as_ref().unwrap().grad(),
+                    db: bn.bs.as_ref().unwrap().grad(),
+                    running_mean: bn.running_mean.copy(),
+                    running_var: bn.running_var.copy(),
+                    y_eval,
+                }
+            };
+            // This rank's half.
             let vs = VarStore::new(Device::Cpu);
-            let bn = nn::batch_norm2d(vs.root() / "bn", C, cfg);
+            let bn = sync_batch_norm(vs.root() / "bn", &pg, C, cfg);
             set_affine(bn.ws.as_ref().unwrap(), bn.bs.as_ref().unwrap());
-            let x = x.detach().set_requires_grad(true);
-            let y = bn.forward_t(&x, true);
-            (&y * &g).sum(Kind::Float).backward();
-            let y_eval = bn.forward_t(&x, false).detach();
-            Outcome {
-                y: y.detach(),
-                dx: x.grad(),
-                dw: bn.ws.as_ref().unwrap().grad(),
-                db: bn.bs.as_ref().unwrap().grad(),
-                running_mean: bn.running_mean.copy(),
-                running_var: bn.running_var.copy(),
-                y_eval,
+            let r = side.rank as i64;
+            let xr = x.narrow(0, r * B, B).detach().set_requires_grad(true);
+            let gr = g.narrow(0, r * B, B);
+            let y = bn.f_forward_t(&xr, true).unwrap();
+            (&y * &gr).sum(Kind::Float).backward();
+            let mut dw = bn.ws.as_ref().unwrap().grad();
+            let mut db = bn.bs.as_ref().unwrap().grad();
+            // Weight and bias gradients are local (DDP averages them): their sum is the whole batch's.
+            pg.all_reduce_(&mut dw, ReduceOp::Sum).unwrap();
+            pg.all_reduce_(&mut db, ReduceOp::Sum).unwrap();
+            let tol = 1e-5;
+            let checks = [
+                ("output", max_diff(&y, &want.y.narrow(0, r * B, B))),
+                ("input gradient", max_diff(&xr.grad(), &want.dx.narrow(0, r * B, B))),
+                ("weight gradient", max_diff(&dw, &want.dw)),
+                ("bias gradient", max_diff(&db, &want.db)),
+                ("running_mean", max_diff(&bn.running_mean, &want.running_mean)),
+                ("running_var", max_diff(&bn.running_var, &want.running_var)),
+            ];
+            for (what, d) in checks {
+                assert!(d <= tol, "rank {r}: {what} differs by {d:e}");
             }
-        };
-        // This rank's half.
-        let vs = VarStore::new(Device::Cpu);
-        let bn = sync_batch_norm(vs.root() / "bn", &pg, C, cfg);
-        set_affine(bn.ws.as_ref().unwrap(), bn.bs.as_ref().unwrap());
-        let r = side.rank as i64;
-        let xr = x.narrow(0, r * B, B).detach().set_requires_grad(true);
-        let gr = g.narrow(0, r * B, B);
-        let y = bn.f_forward_t(&xr, true).unwrap();
-        (&y * &gr).sum(Kind::Float).backward();
-        let mut dw = bn.ws.as_ref().unwrap().grad();
-        let mut db = bn.bs.as_ref().unwrap().grad();
-        // Weight and bias gradients are local (DDP averages them): their sum is the whole batch's.
-        pg.all_reduce_(&mut dw, ReduceOp::Sum).unwrap();
-        pg.all_reduce_(&mut db, ReduceOp::Sum).unwrap();
-        let tol = 1e-5;
-        let checks = [
-            ("output", max_diff(&y, &want.y.narrow(0, r * B, B))),
-            ("input gradient", max_diff(&xr.grad(), &want.dx.narrow(0, r * B, B))),
-            ("weight gradient", max_diff(&dw, &want.dw)),
-            ("bias gradient", max_diff(&db, &want.db)),
-            ("running_mean", max_diff(&bn.running_mean, &want.running_mean)),
-            ("running_var", max_diff(&bn.running_var, &want.running_var)),
-        ];
-        for (what, d) in checks {
-            assert!(d <= tol, "rank {r}: {what} differs by {d:e}");
-        }
-        // The statistics moved (the check is not vacuous) and are the same bits on both ranks.
-        assert!(max_diff(&bn.running_mean, &Tensor::zeros([C], (Kind::Float, Device::Cpu))) > 0.1);
-        assert_same_on_all_ranks(&pg, &bn.running_mean, "running_mean");
-        assert_same_on_all_ranks(&pg, &bn.running_var, "running_var");
-        // Evaluation uses the running statistics, no communication.
-        let y_eval = bn.f_forward_t(&xr, false).unwrap();
-        assert!(max_diff(&y_eval, &want.y_eval.narrow(0, r * B, B)) <= tol);
-        // fp16 input (as after an fp16 convolution under O2): fp16 output, normalized in fp32.
-        let yh = bn.f_forward_t(&xr.detach().to_kind(Kind::Half), true).unwrap();
-        assert_eq!(yh.kind(), Kind::Half);
-        assert!(max_diff(&yh, &want.y.narrow(0, r * B, B)) <= 2e-2);
-    });
+            // The statistics moved (the check is not vacuous) and are the same bits on both ranks.
+            assert!(max_diff(&bn.running_mean, &Tensor::zeros([C], (Kind::Float, Device::Cpu))) > 0.1);
+            assert_same_on_all_ranks(&pg, &bn.running_mean, "running_mean");
+            assert_same_on_all_ranks(&pg, &bn.running_var, "running_var");
+            // Evaluation uses the running statistics, no communication.
+            let y_eval = bn.f_forward_t(&xr, false).unwrap();
+            assert!(max_diff(&y_eval, &want.y_eval.narrow(0, r * B, B)) <= tol);
+            // fp16 input (as after an fp16 convolution under O2): fp16 output, normalized in fp32.
+            let yh = bn.f_forward_t(&xr.detach().to_kind(Kind::Half), true).unwrap();
+            assert_eq!(yh.kind(), Kind::Half);
+            assert!(max_diff(&yh, &want.y.narrow(0, r * B, B)) <= 2e-2);
+        },
+    );
 }
 
 #[derive(Debug)]

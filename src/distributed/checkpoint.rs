@@ -35,11 +35,18 @@ pub fn save_checkpoint_on_rank0(
     optimizers: &[&AmpOptimizer],
     amp: &Amp,
 ) -> Result<()> {
-    let local = if pg.is_main() { crate::save_checkpoint(path, vs, optimizers, amp) } else { Ok(()) };
+    let local = if pg.is_main() {
+        crate::save_checkpoint(path, vs, optimizers, amp)
+    } else {
+        Ok(())
+    };
     let failed_rank = agree(pg, local.is_err())?;
     local?;
     match failed_rank {
-        Some(rank) => Err(DistError::RemoteFailure { rank, what: "write the checkpoint" }),
+        Some(rank) => Err(DistError::RemoteFailure {
+            rank,
+            what: "write the checkpoint",
+        }),
         None => Ok(()),
     }
 }
@@ -64,7 +71,10 @@ pub fn load_checkpoint_on_all(
     let failed_rank = agree(pg, local.is_err())?;
     local?;
     match failed_rank {
-        Some(rank) => Err(DistError::RemoteFailure { rank, what: "load the checkpoint" }),
+        Some(rank) => Err(DistError::RemoteFailure {
+            rank,
+            what: "load the checkpoint",
+        }),
         None => Ok(()),
     }
 }

@@ -164,11 +164,15 @@ pub struct DistributedDataParallel<M> {
 /// was created, and within a module `weight` before `bias` (tch creates `bias` first) before
 /// the rest in creation order. Then the other variables (buffers), sorted by name.
 fn params_and_buffers(vs: &VarStore) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-    let v = vs
-        .variables_
-        .lock()
-        .map_err(|_| DistError::Usage { message: "the VarStore's lock is poisoned".into() })?;
-    let name_of = |t: &Tensor| v.named_variables.iter().find(|(_, x)| x.is_set_to(t)).map(|(n, _)| n.clone());
+    let v = vs.variables_.lock().map_err(|_| DistError::Usage {
+        message: "the VarStore's lock is poisoned".into(),
+    })?;
+    let name_of = |t: &Tensor| {
+        v.named_variables
+            .iter()
+            .find(|(_, x)| x.is_set_to(t))
+            .map(|(n, _)| n.clone())
+    };
     let mut modules: Vec<String> = Vec::new();
     let mut keyed: Vec<(usize, u8, usize, Tensor)> = Vec::new();
     for (i, var) in v.trainable_variables.iter().enumerate() {
@@ -219,7 +223,10 @@ fn bucket_bytes(params: &[Tensor], options: &DdpOptions) -> i64 {
             None => by_kind.push((p.kind(), p.numel())),
         }
     }
-    let elt = by_kind.iter().max_by_key(|(_, n)| *n).map_or(4, |(k, _)| k.elt_size_in_bytes());
+    let elt = by_kind
+        .iter()
+        .max_by_key(|(_, n)| *n)
+        .map_or(4, |(k, _)| k.elt_size_in_bytes());
     i64::try_from(options.message_size.saturating_mul(elt)).unwrap_or(i64::MAX)
 }
 
@@ -260,7 +267,11 @@ impl<M> DistributedDataParallel<M> {
         pg.broadcast_coalesced_(&mut states, BROADCAST_BUCKET_BYTES, 0)?;
         let mut masters: Vec<Tensor> = optimizers
             .iter()
-            .flat_map(|o| o.entries.iter().filter_map(|e| e.master.as_ref().map(Tensor::shallow_clone)))
+            .flat_map(|o| {
+                o.entries
+                    .iter()
+                    .filter_map(|e| e.master.as_ref().map(Tensor::shallow_clone))
+            })
             .collect();
         if !masters.is_empty() {
             pg.broadcast_coalesced_(&mut masters, BROADCAST_BUCKET_BYTES, 0)?;
@@ -326,7 +337,9 @@ impl<M> DistributedDataParallel<M> {
         M: ModuleT,
     {
         let sync = self.require_backward_grad_sync.get();
-        self.reducer.pre_forward(sync).map_err(|m| self.pg.err("DDP forward", m))?;
+        self.reducer
+            .pre_forward(sync)
+            .map_err(|m| self.pg.err("DDP forward", m))?;
         if self.options.broadcast_buffers && self.require_forward_param_sync.get() && !self.buffers.is_empty() {
             let mut bufs: Vec<Tensor> = self.buffers.iter().map(Tensor::shallow_clone).collect();
             self.pg.broadcast_coalesced_(&mut bufs, BROADCAST_BUCKET_BYTES, 0)?;
@@ -335,7 +348,9 @@ impl<M> DistributedDataParallel<M> {
         let grad = sys::grad_mode_enabled().map_err(|m| self.pg.err("DDP forward", m))?;
         if grad && sync {
             self.require_forward_param_sync.set(true);
-            self.reducer.post_forward(std::slice::from_ref(&out)).map_err(|m| self.pg.err("DDP forward", m))?;
+            self.reducer
+                .post_forward(std::slice::from_ref(&out))
+                .map_err(|m| self.pg.err("DDP forward", m))?;
         } else {
             self.require_forward_param_sync.set(false);
         }

@@ -143,9 +143,19 @@ impl DistError {
     pub(crate) fn from_shim(op: &'static str, timeout: Duration, message: String) -> Self {
         let lower = message.to_ascii_lowercase();
         if let Some(rest) = message.strip_prefix("[unsupported] ") {
-            return DistError::Unsupported { what: op, message: rest.to_string() };
+            return DistError::Unsupported {
+                what: op,
+                message: rest.to_string(),
+            };
         }
-        let lost = ["closed by peer", "reset by peer", "broken pipe", "connection closed", "connection refused", "eof"];
+        let lost = [
+            "closed by peer",
+            "reset by peer",
+            "broken pipe",
+            "connection closed",
+            "connection refused",
+            "eof",
+        ];
         if lost.iter().any(|p| lower.contains(p)) {
             return DistError::PeerLost { op, message };
         }

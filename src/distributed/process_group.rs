@@ -116,7 +116,11 @@ impl InitOptions {
             std::env::var(name).map_err(|_| DistError::MissingEnv { var: name })
         }
         fn parse<T: std::str::FromStr>(name: &'static str, v: String, expected: &'static str) -> Result<T> {
-            v.trim().parse().map_err(|_| DistError::InvalidEnv { var: name, value: v, expected })
+            v.trim().parse().map_err(|_| DistError::InvalidEnv {
+                var: name,
+                value: v,
+                expected,
+            })
         }
         let rank: usize = parse("RANK", var("RANK")?, "a non-negative integer")?;
         let world_size: usize = parse("WORLD_SIZE", var("WORLD_SIZE")?, "a positive integer")?;
@@ -172,7 +176,8 @@ impl InitOptions {
         if !self.backend.is_available() {
             return Err(DistError::Unsupported {
                 what: "the NCCL backend",
-                message: "this tch-amp was built without it: rebuild with `--features nccl`, or use Backend::Gloo".into(),
+                message: "this tch-amp was built without it: rebuild with `--features nccl`, or use Backend::Gloo"
+                    .into(),
             });
         }
         Ok(())
@@ -229,7 +234,10 @@ impl ProcessGroup {
             options.backend.name(),
         )
         .map_err(|message| match message.strip_prefix("[unsupported] ") {
-            Some(m) => DistError::Unsupported { what: "the NCCL backend", message: m.to_string() },
+            Some(m) => DistError::Unsupported {
+                what: "the NCCL backend",
+                message: m.to_string(),
+            },
             None => DistError::Rendezvous {
                 addr: options.master_addr.clone(),
                 port: options.master_port,
@@ -293,7 +301,10 @@ impl ProcessGroup {
                 expected: "a positive duration",
             });
         }
-        self.inner.handle.set_timeout(timeout).map_err(|m| self.err("set_timeout", m))?;
+        self.inner
+            .handle
+            .set_timeout(timeout)
+            .map_err(|m| self.err("set_timeout", m))?;
         *self.inner.timeout.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
         Ok(())
     }
@@ -340,7 +351,10 @@ impl ProcessGroup {
     pub fn broadcast_many_(&self, tensors: &mut [Tensor], root: usize) -> Result<()> {
         self.check_root(root)?;
         let detached = detached(tensors)?;
-        self.inner.handle.broadcast(&detached, root).map_err(|m| self.err("broadcast", m))
+        self.inner
+            .handle
+            .broadcast(&detached, root)
+            .map_err(|m| self.err("broadcast", m))
     }
 
     /// In place, as torch's DDP syncs module states: the tensors flattened into buffers of at
@@ -372,7 +386,10 @@ impl ProcessGroup {
     /// As [`Self::all_reduce_`].
     pub fn all_reduce_many_(&self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let detached = detached(tensors)?;
-        self.inner.handle.allreduce(&detached, op.code()).map_err(|m| self.err("all_reduce", m))
+        self.inner
+            .handle
+            .allreduce(&detached, op.code())
+            .map_err(|m| self.err("all_reduce", m))
     }
 
     /// `tensor` as every rank holds it, by rank (same shape and dtype everywhere).
@@ -380,8 +397,14 @@ impl ProcessGroup {
     /// # Errors
     /// As [`Self::all_reduce_`].
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
-        let t = tensor.f_detach().map_err(|source| DistError::Torch { context: "all_gather", source })?;
-        self.inner.handle.allgather(&t, self.world_size()).map_err(|m| self.err("all_gather", m))
+        let t = tensor.f_detach().map_err(|source| DistError::Torch {
+            context: "all_gather",
+            source,
+        })?;
+        self.inner
+            .handle
+            .allgather(&t, self.world_size())
+            .map_err(|m| self.err("all_gather", m))
     }
 }
 
@@ -390,6 +413,11 @@ impl ProcessGroup {
 fn detached(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
     tensors
         .iter()
-        .map(|t| t.f_detach().map_err(|source| DistError::Torch { context: "detaching a tensor for a collective", source }))
+        .map(|t| {
+            t.f_detach().map_err(|source| DistError::Torch {
+                context: "detaching a tensor for a collective",
+                source,
+            })
+        })
         .collect()
 }

@@ -41,7 +41,15 @@ impl DistributedSampler {
                 expected: "0 <= rank < num_replicas",
             });
         }
-        Ok(Self { len, num_replicas, rank, shuffle: true, seed: 0, drop_last: false, epoch: 0 })
+        Ok(Self {
+            len,
+            num_replicas,
+            rank,
+            shuffle: true,
+            seed: 0,
+            drop_last: false,
+            epoch: 0,
+        })
     }
 
     /// A sampler for this process's rank in `pg`.
@@ -106,8 +114,12 @@ impl DistributedSampler {
             expected: "a length that fits in i64",
         })?;
         let mut all: Vec<i64> = if self.shuffle {
-            let perm = sys::randperm_seeded(n, self.seed.wrapping_add(self.epoch))
-                .map_err(|message| DistError::Collective { op: "randperm", message })?;
+            let perm = sys::randperm_seeded(n, self.seed.wrapping_add(self.epoch)).map_err(|message| {
+                DistError::Collective {
+                    op: "randperm",
+                    message,
+                }
+            })?;
             Vec::<i64>::try_from(&perm).ctx("reading the permutation")?
         } else {
             (0..n).collect()
@@ -122,6 +134,11 @@ impl DistributedSampler {
                 i += 1;
             }
         }
-        Ok(all.into_iter().skip(self.rank).step_by(self.num_replicas).take(self.num_samples()).collect())
+        Ok(all
+            .into_iter()
+            .skip(self.rank)
+            .step_by(self.num_replicas)
+            .take(self.num_samples())
+            .collect())
     }
 }

@@ -55,7 +55,14 @@ impl SyncBatchNorm {
     /// Apex's `convert_syncbn_model` for one layer: takes over the variables of a tch batch norm
     /// (`config` must be the one it was built with; tch keeps it private).
     pub fn from_batch_norm(bn: nn::BatchNorm, config: BatchNormConfig, pg: &ProcessGroup) -> Self {
-        Self { pg: pg.clone(), config, running_mean: bn.running_mean, running_var: bn.running_var, ws: bn.ws, bs: bn.bs }
+        Self {
+            pg: pg.clone(),
+            config,
+            running_mean: bn.running_mean,
+            running_var: bn.running_var,
+            ws: bn.ws,
+            bs: bn.bs,
+        }
     }
 
     /// The configuration (eps, momentum, affine, ...).
@@ -87,7 +94,10 @@ impl SyncBatchNorm {
         }
         if xs.dim() < 2 {
             return Err(DistError::Usage {
-                message: format!("SyncBatchNorm expects an input with a channel dimension, got shape {:?}", xs.size()),
+                message: format!(
+                    "SyncBatchNorm expects an input with a channel dimension, got shape {:?}",
+                    xs.size()
+                ),
             });
         }
         self.pg

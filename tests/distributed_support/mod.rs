@@ -33,7 +33,9 @@ pub struct Peer {
 impl Peer {
     /// Starts `cmd` as the peer.
     pub fn spawn(cmd: &mut Command) -> Self {
-        Self { child: Some(cmd.stdin(Stdio::null()).spawn().expect("spawn the peer")) }
+        Self {
+            child: Some(cmd.stdin(Stdio::null()).spawn().expect("spawn the peer")),
+        }
     }
 
     /// Kills the peer now (SIGKILL) and reaps it.
@@ -95,7 +97,11 @@ pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
     tch::set_num_threads(1);
     if let Ok(r) = std::env::var(RANK_ENV) {
         let port = std::env::var(PORT_ENV).expect("port").parse().expect("port number");
-        let mut side = Side { rank: r.parse().expect("rank"), port, peer: None };
+        let mut side = Side {
+            rank: r.parse().expect("rank"),
+            port,
+            peer: None,
+        };
         body(&mut side);
         return;
     }
@@ -107,7 +113,11 @@ pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn rank 1");
-    let mut side = Side { rank: 0, port, peer: Some(Peer { child: Some(child) }) };
+    let mut side = Side {
+        rank: 0,
+        port,
+        peer: Some(Peer { child: Some(child) }),
+    };
     body(&mut side);
     if let Some(mut peer) = side.peer.take() {
         peer.expect_success(PEER_DEADLINE);
