@@ -356,3 +356,93 @@ fn apex_options_and_no_sync() {
         );
     });
 }
+
+/// Rank 0 writes the checkpoint, every rank loads it into a differently seeded model: all ranks
+/// then hold the saved weights, masters and scale, and the next step is the same on both. A
+/// write that fails on rank 0 fails on every rank.
+#[test]
+fn checkpoint_written_by_rank0_loaded_by_all() {
+    two_ranks("checkpoint_written_by_rank0_loaded_by_all", |side: &mut Side| {
+        use tch_amp::distributed::{load_checkpoint_on_all, save_checkpoint_on_rank0, DistError};
+        let pg = side.group();
+        let path = side.dir.join("ckpt.safetensors");
+        let build = |seed: i64| {
+            let vs = VarStore::new(Device::Cpu);
+            tch::manual_seed(seed);
+            let model = net(&vs);
+            let (model, opt, amp) = initialize(&vs, model, sgd(), 0.1, &config(OptLevel::O2)).unwrap();
+            (vs, model, opt, amp)
+        };
+        let (vs, model, mut opt, mut amp) = build(1 + pg.rank() as i64);
+        let ddp = DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], DdpOptions::default()).unwrap();
+        let (x, y) = global_batch(0);
+        let loss = ddp
+            .forward_t(&x.narrow(0, 0, B), true)
+            .mse_loss(&y.narrow(0, 0, B), tch::Reduction::Mean);
+        opt.zero_grad().unwrap();
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        opt.step().unwrap();
+        save_checkpoint_on_rank0(&pg, &path, &vs, &[&opt], &amp).unwrap();
+        assert!(path.exists());
+        let saved = snapshot(&vs);
+        let saved_masters = masters(&opt);
+        // A fresh, differently seeded model on each rank.
+        let (vs2, _model2, mut opt2, mut amp2) = build(50 + pg.rank() as i64);
+        load_checkpoint_on_all(&pg, &path, &vs2, &mut [&mut opt2], &mut amp2).unwrap();
+        for ((n, a), (_, b)) in snapshot(&vs2).iter().zip(&saved) {
+            assert!(a.equal(b), "{n} not restored");
+            assert_same_on_all_ranks(&pg, a, n);
+        }
+        for (a, b) in masters(&opt2).iter().zip(&saved_masters) {
+            assert!(a.equal(b), "master not restored");
+        }
+        assert_eq!(amp2.loss_scale(0).unwrap(), amp.loss_scale(0).unwrap());
+        // Rank 0 cannot write (a folder that does not exist): both ranks get an error.
+        let bad = side.dir.join("missing").join("ckpt.safetensors");
+        let err = save_checkpoint_on_rank0(&pg, &bad, &vs, &[&opt], &amp).unwrap_err();
+        match pg.rank() {
+            0 => assert!(matches!(err, DistError::Amp { .. }), "{err}"),
+            _ => assert!(matches!(err, DistError::RemoteFailure { rank: 0, .. }), "{err}"),
+        }
+    });
+}
+
+/// Rank 1 dies (SIGKILL) between two training steps: rank 0's next backward fails within the
+/// timeout, and the error is a typed peer failure.
+#[test]
+fn killed_peer_during_ddp_training() {
+    two_ranks("killed_peer_during_ddp_training", |side: &mut Side| {
+        use std::time::{Duration, Instant};
+        use tch_amp::ScaleLossOptions;
+        let pg = side.group();
+        pg.set_timeout(Duration::from_secs(5)).unwrap();
+        let vs = VarStore::new(Device::Cpu);
+        tch::manual_seed(1);
+        let model = net(&vs);
+        let (model, mut opt, mut amp) = initialize(&vs, model, sgd(), 0.1, &config(OptLevel::O2)).unwrap();
+        let ddp = DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], DdpOptions::default()).unwrap();
+        let (x, y) = global_batch(0);
+        let mut step = || {
+            let loss = ddp
+                .f_forward_t(&x.narrow(0, 0, B), true)?
+                .mse_loss(&y.narrow(0, 0, B), tch::Reduction::Mean);
+            opt.zero_grad()?;
+            amp.f_scale_loss_with(&loss, &mut [&mut opt], ScaleLossOptions::default(), |s| s.f_backward())
+                .map_err(|e| pg.backward_error(e))?;
+            opt.step()?;
+            Ok::<(), tch_amp::distributed::DistError>(())
+        };
+        step().unwrap();
+        pg.barrier().unwrap();
+        if side.rank == 1 {
+            std::thread::sleep(Duration::from_secs(60)); // until killed
+            return;
+        }
+        side.peer.as_mut().unwrap().kill();
+        let start = Instant::now();
+        let err = step().unwrap_err();
+        assert!(err.is_peer_failure(), "{err:?}");
+        assert!(start.elapsed() < Duration::from_secs(30));
+        side.peer = None;
+    });
+}

@@ -33,7 +33,11 @@ pub struct DdpOptions {
     /// allreduce and back (default: allreduced in their own dtype).
     pub allreduce_always_fp32: bool,
     /// Apex `gradient_predivide_factor`: gradients are divided by it before the allreduce and
-    /// by `world_size / factor` after it (default 1.0: the whole division after the sum).
+    /// by `world_size / factor` after it (default 1.0: the whole division after the sum, as
+    /// Apex). torch's DDP divides by the world size before the sum: set the factor to
+    /// `world_size` to do the same, which also keeps the fp16 sum of O2 gradients from
+    /// overflowing where one process would not (with 1.0 such a step is skipped on every rank,
+    /// as under Apex), and is required to share a group with ranks running torch's DDP.
     pub gradient_predivide_factor: f64,
     /// Apex `gradient_average`: average (true, default) or sum the gradients.
     pub gradient_average: bool,

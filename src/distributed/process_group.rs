@@ -317,6 +317,19 @@ impl ProcessGroup {
         DistError::from_shim(op, self.timeout(), message)
     }
 
+    /// Turns the error of a backward pass that ran DDP's gradient reduction (from
+    /// `Amp::f_scale_loss_with(.., |s| s.f_backward())`) into [`DistError::PeerLost`] or
+    /// [`DistError::Timeout`] when a collective failed, [`DistError::Amp`] otherwise.
+    pub fn backward_error(&self, error: crate::AmpError) -> DistError {
+        if let crate::AmpError::Torch { source, .. } = &error {
+            match self.err("backward (gradient allreduce)", source.to_string()) {
+                e @ (DistError::PeerLost { .. } | DistError::Timeout { .. }) => return e,
+                _ => {}
+            }
+        }
+        DistError::Amp { source: error }
+    }
+
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.world_size() {
             return Err(DistError::InvalidOption {

@@ -14,6 +14,8 @@ use tch_amp::distributed::{InitOptions, ProcessGroup};
 pub const RANK_ENV: &str = "TCH_AMP_TEST_RANK";
 /// Set in the re-run test binary: the TCPStore port.
 pub const PORT_ENV: &str = "TCH_AMP_TEST_PORT";
+/// Set in the re-run test binary: a folder both ranks may use (rank 0 removes it at the end).
+pub const DIR_ENV: &str = "TCH_AMP_TEST_DIR";
 /// Bound on every rendezvous and collective of the tests.
 pub const TIMEOUT: Duration = Duration::from_secs(20);
 /// Bound on the peer process's whole run.
@@ -81,6 +83,8 @@ pub struct Side {
     pub port: u16,
     /// On rank 0: the peer process.
     pub peer: Option<Peer>,
+    /// A folder shared by both ranks for this test (deleted by rank 0 afterwards).
+    pub dir: std::path::PathBuf,
 }
 
 impl Side {
@@ -97,26 +101,33 @@ pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
     tch::set_num_threads(1);
     if let Ok(r) = std::env::var(RANK_ENV) {
         let port = std::env::var(PORT_ENV).expect("port").parse().expect("port number");
+        let dir = std::env::var(DIR_ENV).expect("shared folder").into();
         let mut side = Side {
             rank: r.parse().expect("rank"),
             port,
             peer: None,
+            dir,
         };
         body(&mut side);
         return;
     }
     let port = free_port();
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    // The peer's libtest lines stay out of this test's output; its panics (stderr) show.
     let child = Command::new(std::env::current_exe().expect("test binary"))
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(RANK_ENV, "1")
         .env(PORT_ENV, port.to_string())
+        .env(DIR_ENV, dir.path())
         .stdin(Stdio::null())
+        .stdout(Stdio::null())
         .spawn()
         .expect("spawn rank 1");
     let mut side = Side {
         rank: 0,
         port,
         peer: Some(Peer { child: Some(child) }),
+        dir: dir.path().to_path_buf(),
     };
     body(&mut side);
     if let Some(mut peer) = side.peer.take() {
