@@ -322,9 +322,9 @@ impl ProcessGroup {
     /// [`DistError::Timeout`] when a collective failed, [`DistError::Amp`] otherwise.
     pub fn backward_error(&self, error: crate::AmpError) -> DistError {
         if let crate::AmpError::Torch { source, .. } = &error {
-            match self.err("backward (gradient allreduce)", source.to_string()) {
-                e @ (DistError::PeerLost { .. } | DistError::Timeout { .. }) => return e,
-                _ => {}
+            let e = self.err("backward (gradient allreduce)", source.to_string());
+            if e.is_peer_failure() {
+                return e;
             }
         }
         DistError::Amp { source: error }
