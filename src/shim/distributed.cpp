@@ -201,7 +201,14 @@ char* tch_amp_dist_init(const char* host, int port, int rank, int world_size, in
   })
 }
 
-void tch_amp_dist_free(TchAmpPg* h) { delete h; }
+// Frees a process group. Destructors must not throw into Rust: an error here (a backend that
+// fails to shut down cleanly) is dropped, the handle is gone either way.
+void tch_amp_dist_free(TchAmpPg* h) {
+  try {
+    delete h;
+  } catch (...) {
+  }
+}
 
 // Changes the timeout of every later collective (and of the store).
 char* tch_amp_dist_set_timeout(TchAmpPg* h, int64_t timeout_ms) {
@@ -350,7 +357,9 @@ class ApexCommHook : public c10d::CppCommHookInterface<ApexHookState> {
 }  // namespace
 
 struct TchAmpDdp {
-  std::shared_ptr<c10d::Reducer> reducer;
+  // Owned; a raw pointer so that tch_amp_ddp_free can catch what ~Reducer (noexcept(false))
+  // throws, which a smart pointer's noexcept reset would turn into std::terminate.
+  c10d::Reducer* reducer;
   bool find_unused;
 };
 
@@ -380,7 +389,7 @@ char* tch_amp_ddp_new(TchAmpPg* h, at::Tensor** params, int n, int64_t bucket_by
     auto assignment = c10d::compute_bucket_assignment_by_size(ps, first_limits, sparse);
     auto buckets = std::get<0>(assignment);
     std::reverse(buckets.begin(), buckets.end());
-    auto reducer = std::make_shared<c10d::Reducer>(
+    auto reducer = std::make_unique<c10d::Reducer>(
         ps, buckets, h->pg, sparse, bucket_bytes, find_unused != 0,
         /*gradient_as_bucket_view=*/false, std::unordered_map<size_t, std::string>{},
         first_bucket_bytes, /*skip_all_reduce_unused_params=*/false,
@@ -391,11 +400,19 @@ char* tch_amp_ddp_new(TchAmpPg* h, at::Tensor** params, int n, int64_t bucket_by
     }
     reducer->register_comm_hook(std::make_unique<ApexCommHook>(
         ApexHookState{h->pg, always_fp32 != 0, predivide, post}));
-    *out = new TchAmpDdp{reducer, find_unused != 0};
+    *out = new TchAmpDdp{reducer.release(), find_unused != 0};
   })
 }
 
-void tch_amp_ddp_free(TchAmpDdp* d) { delete d; }
+// Frees a Reducer (its destructor removes the autograd hooks and is noexcept(false): an error
+// is dropped, as in tch_amp_dist_free).
+void tch_amp_ddp_free(TchAmpDdp* d) {
+  try {
+    delete d->reducer;
+  } catch (...) {
+  }
+  delete d;
+}
 
 // Before a forward with autograd on: prepare_for_forward when gradients are to be synced,
 // then the one-time bucket rebuild (a broadcast from rank 0, in the second iteration).
