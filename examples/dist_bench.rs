@@ -201,65 +201,87 @@ fn main() -> Result<()> {
         };
     }
     let quick = std::env::args().any(|a| a == "--quick");
+    // The runs of each kind alternate over `reps` rounds and the median is printed, so that a
+    // load change on a shared machine hits every kind alike.
+    let reps = if quick { 1 } else { 3 };
     println!(
-        "CPU: {} ({} cores visible), one intra-op thread per process",
+        "CPU: {} ({} cores visible), one intra-op thread per process, median of {reps} interleaved rounds",
         cpu_model(),
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
 
     // Allreduce bandwidth: size / time of one allreduce (torch's "algorithm bandwidth").
     let sizes: Vec<usize> = vec![64 << 10, 1 << 20, 4 << 20, 16 << 20];
     let iters = if quick { 5 } else { 30 };
     let size_args = sizes.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
-    let rs = run_group(2, |r, p| {
-        rust_rank(r, 2, p, "allreduce", &format!("{iters} {size_args}")).expect("rank")
-    })?;
     let mut py_args = vec!["allreduce".to_string(), iters.to_string()];
     py_args.extend(sizes.iter().map(ToString::to_string));
-    let py = run_group(2, |r, p| python_rank(r, 2, p, &py_args))?;
+    let (mut rs_secs, mut py_secs) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
+    for _ in 0..reps {
+        let rs = run_group(2, |r, p| {
+            rust_rank(r, 2, p, "allreduce", &format!("{iters} {size_args}")).expect("rank")
+        })?;
+        let py = run_group(2, |r, p| python_rank(r, 2, p, &py_args))?;
+        for (i, (a, b)) in rs.iter().zip(&py).enumerate() {
+            rs_secs[i].push(a["seconds"].as_f64().unwrap_or(f64::NAN));
+            py_secs[i].push(b["seconds"].as_f64().unwrap_or(f64::NAN));
+        }
+    }
     println!("\nallreduce, 2 processes, Gloo on 127.0.0.1, fp32, {iters} iterations per size (GB/s = bytes / time):");
     println!("| size | tch-amp | torch.distributed (Python) |");
     println!("|---|---|---|");
-    for (a, b) in rs.iter().zip(&py) {
-        let bytes = a["bytes"].as_f64().unwrap_or(0.0);
-        let gbs = |v: &serde_json::Value| bytes / v["seconds"].as_f64().unwrap_or(f64::NAN) / 1e9;
+    for (i, &bytes) in sizes.iter().enumerate() {
+        let gbs = |secs: &Vec<f64>| bytes as f64 / median(secs.clone()) / 1e9;
         println!(
             "| {} KiB | {:.2} GB/s | {:.2} GB/s |",
-            bytes as usize >> 10,
-            gbs(a),
-            gbs(b)
+            bytes >> 10,
+            gbs(&rs_secs[i]),
+            gbs(&py_secs[i])
         );
     }
 
     // DDP step time.
     let (steps, batch, hidden) = (if quick { 5 } else { 20 }, 64, 1024);
+    let kinds = [
+        ("tch-amp DDP (Reducer, 1 MiB buckets)", Some("reducer")),
+        ("tch-amp DDP, delay_allreduce", Some("delay")),
+        ("tch-amp, allreduce after backward (no Reducer)", Some("manual")),
+        ("torch DDP (Python)", None),
+    ];
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); kinds.len() * 2];
+    for _ in 0..reps {
+        for (k, (_, variant)) in kinds.iter().enumerate() {
+            for (w, world) in [1usize, 2].into_iter().enumerate() {
+                let lines = match variant {
+                    Some(v) => {
+                        let args = format!("{v} {steps} {batch} {hidden}");
+                        run_group(world, |r, p| rust_rank(r, world, p, "ddp", &args).expect("rank"))?
+                    }
+                    None => {
+                        let args: Vec<String> =
+                            vec!["ddp".into(), steps.to_string(), batch.to_string(), hidden.to_string()];
+                        run_group(world, |r, p| python_rank(r, world, p, &args))?
+                    }
+                };
+                times[2 * k + w].push(ms(&lines));
+            }
+        }
+    }
     println!("\nDDP step (MLP 784-{hidden}-{hidden}-10, fp32/O0, SGD, batch {batch} per process, {steps} steps):");
     println!("| run | processes | ms/step | samples/s |");
     println!("|---|---|---|---|");
-    let row = |name: &str, world: usize, m: f64| {
-        println!(
-            "| {name} | {world} | {m:.1} | {:.0} |",
-            (batch as usize * world) as f64 / m * 1e3
-        );
-    };
-    for (name, variant) in [
-        ("tch-amp DDP (Reducer, 1 MiB buckets)", "reducer"),
-        ("tch-amp DDP, delay_allreduce", "delay"),
-        ("tch-amp, allreduce after backward (no Reducer)", "manual"),
-    ] {
-        for world in [1, 2] {
-            let args = format!("{variant} {steps} {batch} {hidden}");
-            let lines = run_group(world, |r, p| rust_rank(r, world, p, "ddp", &args).expect("rank"))?;
-            row(name, world, ms(&lines));
+    for (k, (name, _)) in kinds.iter().enumerate() {
+        for (w, world) in [1usize, 2].into_iter().enumerate() {
+            let m = median(times[2 * k + w].clone());
+            println!(
+                "| {name} | {world} | {m:.1} | {:.0} |",
+                (batch as usize * world) as f64 / m * 1e3
+            );
         }
-    }
-    for world in [1, 2] {
-        let args: Vec<String> = ["ddp", &steps.to_string(), &batch.to_string(), &hidden.to_string()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        let lines = run_group(world, |r, p| python_rank(r, world, p, &args))?;
-        row("torch DDP (Python)", world, ms(&lines));
     }
     Ok(())
 }
