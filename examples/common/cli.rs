@@ -38,8 +38,7 @@ impl DataArgs {
     /// # Errors
     /// As [`Self::load`].
     pub fn load_with(&self, standardize: bool) -> Result<Dataset> {
-        let data =
-            Dataset::load(&self.data).with_context(|| format!("loading the data set in {}", self.data.display()))?;
+        let data = Dataset::load(&self.data).with_context(|| format!("loading the data set in {}", self.data.display()))?;
         let data = if standardize { data.standardize() } else { data };
         Ok(Dataset {
             train: data.train.subset(self.train_size, self.seed),

@@ -43,10 +43,7 @@ impl fmt::Display for DataError {
 impl std::error::Error for DataError {}
 
 fn err(path: &Path, problem: impl Into<String>) -> DataError {
-    DataError {
-        path: path.to_path_buf(),
-        problem: problem.into(),
-    }
+    DataError { path: path.to_path_buf(), problem: problem.into() }
 }
 
 /// The contents of one IDX file of unsigned bytes.
@@ -77,12 +74,7 @@ pub fn read_idx(path: &Path, ndims: u8) -> Result<Idx, DataError> {
         let mut out = Vec::new();
         flate2::read::GzDecoder::new(&raw[..])
             .read_to_end(&mut out)
-            .map_err(|e| {
-                err(
-                    path,
-                    format!("broken gzip stream ({e}); expected a gzip-compressed IDX file"),
-                )
-            })?;
+            .map_err(|e| err(path, format!("broken gzip stream ({e}); expected a gzip-compressed IDX file")))?;
         out
     } else {
         raw
@@ -90,10 +82,7 @@ pub fn read_idx(path: &Path, ndims: u8) -> Result<Idx, DataError> {
     let magic_expected = idx_magic(ndims);
     let what = format!("IDX magic 0x{magic_expected:08x} (unsigned bytes, {ndims} dimensions)");
     if bytes.len() < 4 {
-        return Err(err(
-            path,
-            format!("truncated: {} bytes, expected at least the 4-byte {what}", bytes.len()),
-        ));
+        return Err(err(path, format!("truncated: {} bytes, expected at least the 4-byte {what}", bytes.len())));
     }
     let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     if magic != magic_expected {
@@ -103,10 +92,7 @@ pub fn read_idx(path: &Path, ndims: u8) -> Result<Idx, DataError> {
     if bytes.len() < header {
         return Err(err(
             path,
-            format!(
-                "truncated header: {} bytes, expected {header} (magic and {ndims} dimension sizes)",
-                bytes.len()
-            ),
+            format!("truncated header: {} bytes, expected {header} (magic and {ndims} dimension sizes)", bytes.len()),
         ));
     }
     let dims: Vec<usize> = bytes[4..header]
@@ -133,10 +119,7 @@ pub fn read_idx(path: &Path, ndims: u8) -> Result<Idx, DataError> {
             ),
         ));
     }
-    Ok(Idx {
-        dims,
-        data: bytes[header..].to_vec(),
-    })
+    Ok(Idx { dims, data: bytes[header..].to_vec() })
 }
 
 /// Images of an IDX3 file as a `[N, 1, H, W]` f32 tensor with values in [0, 1].
@@ -185,10 +168,7 @@ impl Split {
     /// The first `n` examples (all when `n` is 0 or at least the length).
     pub fn head(&self, n: usize) -> Split {
         let n = if n == 0 { self.len() } else { n.min(self.len()) } as i64;
-        Split {
-            images: self.images.narrow(0, 0, n),
-            labels: self.labels.narrow(0, 0, n),
-        }
+        Split { images: self.images.narrow(0, 0, n), labels: self.labels.narrow(0, 0, n) }
     }
 
     /// `n` examples drawn without replacement by a permutation seeded with `seed` (all, in
@@ -202,10 +182,7 @@ impl Split {
         order.truncate(n);
         order.sort_unstable();
         let idx = Tensor::from_slice(&order);
-        Split {
-            images: self.images.index_select(0, &idx),
-            labels: self.labels.index_select(0, &idx),
-        }
+        Split { images: self.images.index_select(0, &idx), labels: self.labels.index_select(0, &idx) }
     }
 
     /// The batch of `indices`.
@@ -243,13 +220,7 @@ fn load_split(dir: &Path, images: &str, labels: &str) -> Result<Split, DataError
     let labels = load_labels(&lpath)?;
     let (ni, nl) = (images.size()[0], labels.size()[0]);
     if ni != nl {
-        return Err(err(
-            &lpath,
-            format!(
-                "{nl} labels, expected one per image of {} ({ni} images)",
-                ipath.display()
-            ),
-        ));
+        return Err(err(&lpath, format!("{nl} labels, expected one per image of {} ({ni} images)", ipath.display())));
     }
     if ni == 0 {
         return Err(err(&ipath, "no images: expected at least one"));
@@ -281,19 +252,12 @@ impl Dataset {
         if a[2..] != b[2..] {
             return Err(err(
                 &locate(dir, TEST_IMAGES),
-                format!(
-                    "images of {}x{}, expected the training images' {}x{}",
-                    b[2], b[3], a[2], a[3]
-                ),
+                format!("images of {}x{}, expected the training images' {}x{}", b[2], b[3], a[2], a[3]),
             ));
         }
         let max = |s: &Split| s.labels.max().int64_value(&[]);
         let num_classes = max(&train).max(max(&test)) + 1;
-        Ok(Self {
-            train,
-            test,
-            num_classes,
-        })
+        Ok(Self { train, test, num_classes })
     }
 
     /// Mean and standard deviation of the training images' pixels.
@@ -344,14 +308,7 @@ pub fn write_idx(path: &Path, dims: &[usize], data: &[u8], gzip: bool) -> std::i
 ///
 /// # Errors
 /// I/O errors.
-pub fn write_synthetic(
-    dir: &Path,
-    train: usize,
-    test: usize,
-    classes: u8,
-    size: usize,
-    seed: u64,
-) -> std::io::Result<()> {
+pub fn write_synthetic(dir: &Path, train: usize, test: usize, classes: u8, size: usize, seed: u64) -> std::io::Result<()> {
     let mut rng = super::train::SplitMix64::new(seed);
     let mut make = |n: usize| {
         let mut images = vec![0u8; n * size * size];
@@ -363,11 +320,7 @@ pub fn write_synthetic(
             for (j, px) in img.iter_mut().enumerate() {
                 let (r, col) = (j / size, j % size);
                 let band = (c as usize * size) / classes as usize;
-                let on = if c % 2 == 0 {
-                    r >= band && r < band + 3
-                } else {
-                    col >= band && col < band + 3
-                };
+                let on = if c % 2 == 0 { r >= band && r < band + 3 } else { col >= band && col < band + 3 };
                 let noise = (rng.next_u64() % 64) as u8;
                 *px = if on { 190 + noise } else { noise };
             }

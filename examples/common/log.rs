@@ -27,13 +27,7 @@ pub struct StepRecord {
 impl StepRecord {
     /// A record with the four common fields.
     pub fn new(step: u64, loss: f64, loss_scale: f64, skipped: bool) -> Self {
-        Self {
-            step,
-            loss,
-            loss_scale,
-            skipped,
-            extra: Map::new(),
-        }
+        Self { step, loss, loss_scale, skipped, extra: Map::new() }
     }
 
     /// Adds a field.
@@ -55,17 +49,12 @@ impl StepLog {
     /// # Errors
     /// The file or its folder cannot be created (the message names the file).
     pub fn create(path: Option<&Path>) -> Result<Self> {
-        let Some(path) = path else {
-            return Ok(Self { out: None });
-        };
+        let Some(path) = path else { return Ok(Self { out: None }) };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("{}: cannot create the log's folder", dir.display()))?;
+            std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create the log's folder", dir.display()))?;
         }
         let f = File::create(path).with_context(|| format!("{}: cannot create the log file", path.display()))?;
-        Ok(Self {
-            out: Some((path.to_path_buf(), BufWriter::new(f))),
-        })
+        Ok(Self { out: Some((path.to_path_buf(), BufWriter::new(f))) })
     }
 
     /// Appends one record.
@@ -84,8 +73,7 @@ impl StepLog {
     /// A write error, naming the file.
     pub fn flush(&mut self) -> Result<()> {
         let Some((path, w)) = &mut self.out else { return Ok(()) };
-        w.flush()
-            .with_context(|| format!("{}: cannot write the log", path.display()))
+        w.flush().with_context(|| format!("{}: cannot write the log", path.display()))
     }
 }
 

@@ -25,12 +25,7 @@ pub struct ResNetConfig {
 }
 
 fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> nn::Conv2D {
-    let cfg = ConvConfig {
-        stride,
-        padding: k / 2,
-        bias: false,
-        ..Default::default()
-    };
+    let cfg = ConvConfig { stride, padding: k / 2, bias: false, ..Default::default() };
     nn::conv2d(p, cin, cout, k, cfg)
 }
 
@@ -56,8 +51,8 @@ struct BasicBlock {
 
 impl BasicBlock {
     fn new(p: &nn::Path, cin: i64, cout: i64, stride: i64, bn: MakeNorm) -> Self {
-        let shortcut = (stride != 1 || cin != cout)
-            .then(|| (conv(p / "shortcut", cin, cout, 1, stride), bn(p / "shortcut_bn", cout)));
+        let shortcut =
+            (stride != 1 || cin != cout).then(|| (conv(p / "shortcut", cin, cout, 1, stride), bn(p / "shortcut_bn", cout)));
         Self {
             conv1: conv(p / "conv1", cin, cout, 3, stride),
             bn1: bn(p / "bn1", cout),
@@ -109,13 +104,7 @@ impl SmallResNet {
         }
         let pool = cfg.pool.max(1);
         let fc = nn::linear(p / "fc", c * pool * pool, cfg.num_classes, Default::default());
-        Self {
-            stem,
-            stem_bn,
-            blocks,
-            fc,
-            pool,
-        }
+        Self { stem, stem_bn, blocks, fc, pool }
     }
 }
 

@@ -40,14 +40,8 @@ pub fn register_font() -> bool {
     })
 }
 
-const COLORS: [RGBColor; 6] = [
-    RGBColor(0, 0, 0),
-    RGBColor(31, 119, 180),
-    RGBColor(214, 39, 40),
-    RGBColor(44, 160, 44),
-    RGBColor(148, 103, 189),
-    RGBColor(255, 127, 14),
-];
+const COLORS: [RGBColor; 6] =
+    [RGBColor(0, 0, 0), RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(255, 127, 14)];
 
 /// Line width of the `i`-th of `n` loss-scale series: earlier series are drawn wider, so that
 /// a later one lying on top of it (O2's scale on O1's, O3's on O0's) leaves it visible as a
@@ -102,52 +96,30 @@ where
 {
     let (w, h) = area.dim_in_pixel();
     let base = area.strip_coord_spec();
-    base.draw(&Rectangle::new(
-        [(0, 0), (w as i32 - 1, h as i32 - 1)],
-        RGBColor(120, 120, 120).stroke_width(1),
-    ))?;
+    base.draw(&Rectangle::new([(0, 0), (w as i32 - 1, h as i32 - 1)], RGBColor(120, 120, 120).stroke_width(1)))?;
     Ok(())
 }
 
 fn draw(path: &Path, title: &str, series: &[Series], text: bool) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::new(path, (1200, 500)).into_drawing_area();
     root.fill(&WHITE)?;
-    let root = if text {
-        root.titled(title, ("sans-serif", 22))?
-    } else {
-        root
-    };
+    let root = if text { root.titled(title, ("sans-serif", 22))? } else { root };
     let (left, right) = root.split_horizontally(600);
 
-    let steps = series
-        .iter()
-        .map(|s| s.losses.len().max(s.scales.len()))
-        .max()
-        .unwrap_or(1)
-        .max(2) as f64;
+    let steps = series.iter().map(|s| s.losses.len().max(s.scales.len())).max().unwrap_or(1).max(2) as f64;
     let w = (steps as usize / 40).max(1);
     let curves: Vec<Vec<(f64, f64)>> = series.iter().map(|s| smooth(&s.losses, w)).collect();
     let ymax = curves.iter().flatten().map(|p| p.1).fold(0.0f64, f64::max).max(1e-3) * 1.05;
 
     let label_area = if text { 45 } else { 0 };
     let mut b = ChartBuilder::on(&left);
-    b.margin(12)
-        .x_label_area_size(label_area)
-        .y_label_area_size(label_area + 10);
+    b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 10);
     if text {
-        b.caption(
-            format!("training loss (moving average of {w} steps)"),
-            ("sans-serif", 16),
-        );
+        b.caption(format!("training loss (moving average of {w} steps)"), ("sans-serif", 16));
     }
     let mut chart = b.build_cartesian_2d(0f64..steps, 0f64..ymax)?;
     if text {
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .y_desc("loss")
-            .x_label_formatter(&|v| format!("{v:.0}"))
-            .draw()?;
+        chart.configure_mesh().x_desc("step").y_desc("loss").x_label_formatter(&|v| format!("{v:.0}")).draw()?;
     } else {
         frame(chart.plotting_area())?;
     }
@@ -155,9 +127,7 @@ fn draw(path: &Path, title: &str, series: &[Series], text: bool) -> Result<(), B
         let c = COLORS[s.color % COLORS.len()].stroke_width(2);
         let drawn = chart.draw_series(LineSeries::new(pts.iter().copied(), c))?;
         if text {
-            drawn
-                .label(s.name.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+            drawn.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
         }
     }
     if text {
@@ -169,23 +139,12 @@ fn draw(path: &Path, title: &str, series: &[Series], text: bool) -> Result<(), B
             .draw()?;
     }
 
-    let finite = || {
-        series
-            .iter()
-            .flat_map(|s| s.scales.iter().copied())
-            .filter(|v| v.is_finite() && *v > 0.0)
-    };
+    let finite = || series.iter().flat_map(|s| s.scales.iter().copied()).filter(|v| v.is_finite() && *v > 0.0);
     let lo = finite().fold(f64::INFINITY, f64::min);
     let hi = finite().fold(0.0f64, f64::max);
-    let (lo, hi) = if lo.is_finite() && hi > 0.0 {
-        (lo / 4.0, hi * 4.0)
-    } else {
-        (0.25, 4.0)
-    };
+    let (lo, hi) = if lo.is_finite() && hi > 0.0 { (lo / 4.0, hi * 4.0) } else { (0.25, 4.0) };
     let mut b = ChartBuilder::on(&right);
-    b.margin(12)
-        .x_label_area_size(label_area)
-        .y_label_area_size(label_area + 20);
+    b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 20);
     if text {
         b.caption("loss scale (log axis)", ("sans-serif", 16));
     }
@@ -203,18 +162,11 @@ fn draw(path: &Path, title: &str, series: &[Series], text: bool) -> Result<(), B
     }
     for (i, s) in series.iter().enumerate() {
         let c = COLORS[s.color % COLORS.len()].stroke_width(width(i, series.len()));
-        let pts: Vec<(f64, f64)> = s
-            .scales
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite() && **v > 0.0)
-            .map(|(i, v)| (i as f64, *v))
-            .collect();
+        let pts: Vec<(f64, f64)> =
+            s.scales.iter().enumerate().filter(|(_, v)| v.is_finite() && **v > 0.0).map(|(i, v)| (i as f64, *v)).collect();
         let drawn = chart.draw_series(LineSeries::new(pts, c))?;
         if text {
-            drawn
-                .label(s.name.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+            drawn.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
         }
     }
     if text {

@@ -6,9 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 /// Whether bars are drawn: stdout is a terminal and `CI` is not set to a true value.
 pub fn bars_enabled() -> bool {
-    let ci = std::env::var("CI")
-        .map(|v| !v.is_empty() && v != "false" && v != "0")
-        .unwrap_or(false);
+    let ci = std::env::var("CI").map(|v| !v.is_empty() && v != "false" && v != "0").unwrap_or(false);
     std::io::stdout().is_terminal() && !ci
 }
 

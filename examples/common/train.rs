@@ -90,9 +90,5 @@ pub fn evaluate(model: &impl ModuleT, split: &Split, batch_size: usize) -> Eval 
         start += len;
     }
     let n = n.max(1) as f64;
-    Eval {
-        loss: loss / n,
-        top1: 100.0 * top1 / n,
-        top5: 100.0 * top5 / n,
-    }
+    Eval { loss: loss / n, top1: 100.0 * top1 / n, top5: 100.0 * top5 / n }
 }
