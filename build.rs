@@ -29,6 +29,31 @@ fn torch_version(torch_dir: &Path) -> Option<String> {
     Some(text.trim().split('+').next()?.to_string())
 }
 
+/// Header folders for the `nccl` feature: `TCH_AMP_CUDA_INCLUDE` (a path list) first, then the
+/// nvidia-* wheels beside torch (CUDA 13 layout: nvidia/cu13/include with crt/ and cccl/, and
+/// nvidia/nccl/include). Stops the build with a message when a needed header is missing.
+fn nccl_include_dirs(torch_dir: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> =
+        env::var_os("TCH_AMP_CUDA_INCLUDE").map(|v| env::split_paths(&v).collect()).unwrap_or_default();
+    if let Some(site) = torch_dir.parent() {
+        let nv = site.join("nvidia");
+        for d in ["cu13/include", "cu13/include/cccl", "nccl/include", "cuda_runtime/include"] {
+            dirs.push(nv.join(d));
+        }
+    }
+    dirs.retain(|d| d.is_dir());
+    for header in ["cuda_runtime.h", "crt/host_config.h", "cuda/std/chrono", "nccl.h"] {
+        if !dirs.iter().any(|d| d.join(header).is_file()) {
+            panic!(
+                "tch-amp: feature `nccl` needs {header}: `pip install nvidia-cuda-crt nvidia-cuda-cccl` (the CUDA \
+                 version of your torch wheel) into torch's Python environment, or set TCH_AMP_CUDA_INCLUDE to the \
+                 folders holding the CUDA runtime, crt, cccl and NCCL headers"
+            );
+        }
+    }
+    dirs
+}
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/shim");
@@ -57,19 +82,31 @@ fn main() {
         .filter(|p| p.extension().is_some_and(|x| x == "cpp"))
         .collect();
     sources.sort();
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
         .pic(true)
         .std("c++17")
         .include(torch_dir.join("include"))
         .include(torch_dir.join("include/torch/csrc/api/include"))
+        // Declaration-only gloo stand-ins for ProcessGroupGloo.hpp (src/shim/gloo_stub/README.md).
+        .include("src/shim/gloo_stub")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .flag_if_supported("-Wno-c++20-extensions")
-        .files(&sources)
-        .compile("tch_amp_shim");
+        .files(&sources);
+    // Feature `nccl`: the NCCL backend (src/shim/nccl/), against the CUDA, crt, cccl and NCCL headers.
+    println!("cargo:rerun-if-env-changed=TCH_AMP_CUDA_INCLUDE");
+    if env::var_os("CARGO_FEATURE_NCCL").is_some() {
+        build
+            .includes(nccl_include_dirs(&torch_dir))
+            .define("TCH_AMP_NCCL", None)
+            .flag_if_supported("-Wno-interference-size")
+            .file("src/shim/nccl/distributed_nccl.cpp");
+    }
+    build.compile("tch_amp_shim");
     // Tests, examples and benches of this crate find libtorch without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
     // Keep the CUDA backend as a needed library (see the crate doc above). The search path is

@@ -11,7 +11,14 @@
 //! global step) into `--checkpoint-dir`, and copies both to `model_best.*` when Prec@1
 //! improved. `--resume runs/imagenet/checkpoint.safetensors` continues from there.
 //!
+//! Distributed mode, as Apex's (`args.distributed = WORLD_SIZE > 1`): launched by torchrun, each
+//! process trains on its `DistributedSampler` shard with a per-process batch of `-b`, gradients
+//! averaged by `tch_amp::distributed::DistributedDataParallel`, the learning rate scaled by
+//! `batch * world_size / 256`, `--sync_bn` for SyncBatchNorm; rank 0 prints, logs and writes the
+//! checkpoints, validation is sharded and its counts summed over the ranks.
+//!
 //! ```text
+//! torchrun --no-python --nproc-per-node 2 target/release/examples/imagenet --opt-level O2 --sync_bn -b 64
 //! cargo run --release --example imagenet -- --opt-level O2 --epochs 2 -b 128
 //! cargo run --release --example imagenet -- --opt-level O2 --epochs 3 --resume runs/imagenet/checkpoint.safetensors
 //! cargo run --release --example imagenet -- --opt-level O2 -e --resume runs/imagenet/model_best.safetensors
@@ -24,13 +31,17 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::nn::{self, ModuleT};
-use tch::Device;
+use tch::{Device, Kind, Tensor};
+use tch_amp::distributed::{
+    save_checkpoint_on_rank0, sync_batch_norm, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup,
+    ReduceOp,
+};
 use tch_amp::{initialize, load_checkpoint, save_checkpoint, StepOutcome};
 
 use common::cli::{AmpArgs, DataArgs};
 use common::data::Split;
 use common::log::{StepLog, StepRecord};
-use common::model::{ResNetConfig, SmallResNet};
+use common::model::{Norm, ResNetConfig, SmallResNet};
 use common::train::{epoch_batches, evaluate, steps_per_epoch, Eval};
 
 /// Apex's ImageNet AMP example, on Fashion-MNIST.
@@ -80,6 +91,12 @@ struct Args {
     /// JSON-lines log, one line per step.
     #[arg(long)]
     log: Option<PathBuf>,
+    /// Use SyncBatchNorm (distributed mode): batch statistics over all processes.
+    #[arg(long = "sync_bn", visible_alias = "sync-bn")]
+    sync_bn: bool,
+    /// Accepted for torch.distributed.launch compatibility; torchrun sets LOCAL_RANK instead.
+    #[arg(long = "local_rank", visible_alias = "local-rank")]
+    local_rank: Option<usize>,
 }
 
 /// What goes beside the tensors of a checkpoint.
@@ -92,6 +109,16 @@ struct CheckpointInfo {
     step: u64,
     opt_level: String,
     arch: String,
+}
+
+/// The model as trained: the AMP model, or its DDP wrapper in distributed mode.
+#[derive(Debug)]
+struct Model(Box<dyn ModuleT>);
+
+impl ModuleT for Model {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.0.forward_t(xs, train)
+    }
 }
 
 fn info_path(checkpoint: &Path) -> PathBuf {
@@ -111,10 +138,41 @@ fn adjust_learning_rate(args: &Args, base: f64, epoch: usize, step: usize, len_e
     lr
 }
 
-fn validate(model: &impl ModuleT, test: &Split, batch_size: usize) -> Eval {
-    let e = evaluate(model, test, batch_size);
-    println!(" * Prec@1 {:.3} Prec@5 {:.3}  (loss {:.4})", e.top1, e.top5, e.loss);
-    e
+fn validate(model: &impl ModuleT, test: &Split, batch_size: usize, pg: Option<&ProcessGroup>) -> Result<Eval> {
+    let e = match pg {
+        None => evaluate(model, test, batch_size),
+        Some(pg) => validate_shard(model, test, batch_size, pg)?,
+    };
+    if pg.map_or(true, ProcessGroup::is_main) {
+        println!(" * Prec@1 {:.3} Prec@5 {:.3}  (loss {:.4})", e.top1, e.top5, e.loss);
+    }
+    Ok(e)
+}
+
+/// Apex's distributed validation: each rank evaluates its `DistributedSampler` shard (no
+/// shuffle; padded, so every rank runs the same number of batches), then loss and hit counts
+/// are summed over the ranks.
+fn validate_shard(model: &impl ModuleT, test: &Split, batch_size: usize, pg: &ProcessGroup) -> Result<Eval> {
+    let _no_grad = tch::no_grad_guard();
+    let shard = DistributedSampler::for_group(test.len(), pg)?.shuffle(false).indices()?;
+    let mut sums = [0f64; 4]; // loss * n, top-1 hits, top-5 hits, n
+    for idx in shard.chunks(batch_size.max(1)) {
+        let (x, y) = test.batch(idx);
+        let logits = model.forward_t(&x, false).to_kind(Kind::Float);
+        let n = idx.len() as f64;
+        sums[0] += logits.cross_entropy_for_logits(&y).double_value(&[]) * n;
+        let k = logits.size()[1].min(5);
+        let (_, pred) = logits.topk(k, 1, true, true);
+        let hit = pred.eq_tensor(&y.unsqueeze(1));
+        sums[1] += hit.narrow(1, 0, 1).sum(Kind::Float).double_value(&[]);
+        sums[2] += hit.sum(Kind::Float).double_value(&[]);
+        sums[3] += n;
+    }
+    let mut t = Tensor::from_slice(&sums);
+    pg.all_reduce_(&mut t, ReduceOp::Sum)?;
+    let s = Vec::<f64>::try_from(&t)?;
+    let n = s[3].max(1.0);
+    Ok(Eval { loss: s[0] / n, top1: 100.0 * s[1] / n, top5: 100.0 * s[2] / n })
 }
 
 fn write_info(path: &Path, info: &CheckpointInfo) -> Result<()> {
@@ -133,23 +191,44 @@ fn run() -> Result<()> {
     if args.epochs == 0 || args.batch_size == 0 {
         bail!("--epochs and --batch-size must be at least 1");
     }
-    println!("opt_level = {}", args.amp.opt_level);
-    println!("keep_batchnorm_fp32 = {}", args.amp.keep_batchnorm_fp32.as_deref().unwrap_or("None"));
-    println!("loss_scale = {}", args.amp.loss_scale.as_deref().unwrap_or("None"));
+    // Apex: args.distributed = int(os.environ['WORLD_SIZE']) > 1
+    let distributed = std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse::<usize>().ok()).is_some_and(|w| w > 1);
+    let pg = if distributed { Some(ProcessGroup::init_from_env().context("joining the process group")?) } else { None };
+    let main_rank = pg.as_ref().map_or(true, ProcessGroup::is_main);
+    let world_size = pg.as_ref().map_or(1, ProcessGroup::world_size);
+    if args.sync_bn && pg.is_none() {
+        println!("--sync_bn has no effect without distributed mode (WORLD_SIZE > 1): using BatchNorm");
+    }
+    if main_rank {
+        println!("opt_level = {}", args.amp.opt_level);
+        println!("keep_batchnorm_fp32 = {}", args.amp.keep_batchnorm_fp32.as_deref().unwrap_or("None"));
+        println!("loss_scale = {}", args.amp.loss_scale.as_deref().unwrap_or("None"));
+        if pg.is_some() {
+            println!("distributed: world size {world_size}, sync_bn = {}", args.sync_bn);
+        }
+    }
     let config = args.amp.config()?;
 
     let data = args.data.load()?;
     let (h, w) = data.image_size();
     let arch = format!("small_resnet(width={}, stages={})", args.width, args.stages);
-    println!("=> creating model '{arch}' for {h}x{w} images, {} classes", data.num_classes);
+    if main_rank {
+        println!("=> creating model '{arch}' for {h}x{w} images, {} classes", data.num_classes);
+    }
     tch::manual_seed(args.data.seed as i64);
     let vs = nn::VarStore::new(Device::Cpu);
     let cfg =
         ResNetConfig { in_channels: 1, num_classes: data.num_classes, width: args.width, stages: args.stages, pool: 1 };
-    let net = SmallResNet::new(&vs.root(), cfg);
+    let net = match &pg {
+        // Apex: model = apex.parallel.convert_syncbn_model(model)
+        Some(pg) if args.sync_bn => SmallResNet::with_norm(&vs.root(), cfg, &|p: nn::Path, c: i64| -> Norm {
+            Box::new(sync_batch_norm(p, pg, c, Default::default()))
+        }),
+        _ => SmallResNet::new(&vs.root(), cfg),
+    };
 
-    // Scale the learning rate by the batch size, as Apex does.
-    let base_lr = args.lr * args.batch_size as f64 / 256.0;
+    // Scale the learning rate by the global batch size, as Apex does.
+    let base_lr = args.lr * (args.batch_size * world_size) as f64 / 256.0;
     let sgd = nn::Sgd { momentum: args.momentum, dampening: 0.0, wd: args.weight_decay, nesterov: false };
     let (model, mut optimizer, mut amp) = initialize(&vs, net, sgd, base_lr, &config)?;
 
@@ -157,7 +236,9 @@ fn run() -> Result<()> {
     let mut best_prec1 = 0.0;
     let mut global_step = 0u64;
     if let Some(path) = &args.resume {
-        println!("=> loading checkpoint '{}'", path.display());
+        if main_rank {
+            println!("=> loading checkpoint '{}'", path.display());
+        }
         load_checkpoint(path, &vs, &mut [&mut optimizer], &mut amp)
             .with_context(|| format!("resuming from {}", path.display()))?;
         let ipath = info_path(path);
@@ -168,30 +249,55 @@ fn run() -> Result<()> {
         start_epoch = info.epoch;
         best_prec1 = info.best_prec1;
         global_step = info.step;
-        println!(
-            "=> loaded checkpoint '{}' (epoch {}, written under {}, loss scale {})",
-            path.display(),
-            info.epoch,
-            info.opt_level,
-            amp.loss_scale(0)?
-        );
+        if main_rank {
+            println!(
+                "=> loaded checkpoint '{}' (epoch {}, written under {}, loss scale {})",
+                path.display(),
+                info.epoch,
+                info.opt_level,
+                amp.loss_scale(0)?
+            );
+        }
     }
 
+    // Apex: model = DDP(model, delay_allreduce=True) after amp.initialize (and the resume):
+    // rank 0's weights, buffers and fp32 masters go to every rank.
+    let model = Model(match &pg {
+        Some(pg) => {
+            let options = DdpOptions::default().delay_allreduce(true);
+            Box::new(DistributedDataParallel::new(pg, &vs, model, &mut [&mut optimizer], options)?)
+        }
+        None => Box::new(model),
+    });
+
     if args.evaluate {
-        validate(&model, &data.test, args.batch_size);
+        validate(&model, &data.test, args.batch_size, pg.as_ref())?;
         return Ok(());
     }
 
-    std::fs::create_dir_all(&args.checkpoint_dir)
-        .with_context(|| format!("{}: cannot create the checkpoint folder", args.checkpoint_dir.display()))?;
-    let mut log = StepLog::create(args.log.as_deref())?;
+    if main_rank {
+        std::fs::create_dir_all(&args.checkpoint_dir)
+            .with_context(|| format!("{}: cannot create the checkpoint folder", args.checkpoint_dir.display()))?;
+    }
+    let mut log = StepLog::create(if main_rank { args.log.as_deref() } else { None })?;
     let n = data.train.len();
-    let len_epoch = steps_per_epoch(n, args.batch_size);
+    let mut sampler = match &pg {
+        Some(pg) => Some(DistributedSampler::for_group(n, pg)?.seed(args.data.seed)),
+        None => None,
+    };
+    let len_epoch = steps_per_epoch(sampler.as_ref().map_or(n, DistributedSampler::num_samples), args.batch_size);
     for epoch in start_epoch..args.epochs {
         // train for one epoch
         let mut end = Instant::now();
         let (mut loss_sum, mut prec_sum, mut seen, mut since_print) = (0.0, 0.0, 0usize, 0usize);
-        for (i, idx) in epoch_batches(n, args.batch_size, args.data.seed, epoch).into_iter().enumerate() {
+        let batches = match sampler.as_mut() {
+            Some(s) => {
+                s.set_epoch(epoch as u64);
+                s.indices()?.chunks(args.batch_size).map(<[i64]>::to_vec).collect()
+            }
+            None => epoch_batches(n, args.batch_size, args.data.seed, epoch),
+        };
+        for (i, idx) in batches.into_iter().enumerate() {
             optimizer.set_lr(adjust_learning_rate(&args, base_lr, epoch, i, len_epoch))?;
             let (input, target) = data.train.batch(&idx);
             // compute output
@@ -217,23 +323,37 @@ fn run() -> Result<()> {
                 let t = end.elapsed().as_secs_f64() / since_print as f64;
                 end = Instant::now();
                 since_print = 0;
-                println!(
-                    "Epoch: [{epoch}][{}/{len_epoch}]\tTime {t:.3}\tSpeed {:.1}\tLoss {l:.6} ({:.4})\tPrec@1 ({:.3})\tloss scale {}",
-                    i + 1,
-                    args.batch_size as f64 / t,
-                    loss_sum / seen as f64,
-                    prec_sum / seen as f64,
-                    amp.loss_scale(0)?
-                );
+                // Apex: reduce_tensor (the average over the ranks) of the printed statistics.
+                let (mut avg_loss, mut avg_prec) = (loss_sum / seen as f64, prec_sum / seen as f64);
+                if let Some(pg) = &pg {
+                    let mut v = Tensor::from_slice(&[avg_loss, avg_prec]);
+                    pg.all_reduce_(&mut v, ReduceOp::Avg)?;
+                    (avg_loss, avg_prec) = (v.double_value(&[0]), v.double_value(&[1]));
+                }
+                if main_rank {
+                    println!(
+                        "Epoch: [{epoch}][{}/{len_epoch}]\tTime {t:.3}\tSpeed {:.1}\tLoss {l:.6} ({avg_loss:.4})\tPrec@1 ({avg_prec:.3})\tloss scale {}",
+                        i + 1,
+                        (world_size * args.batch_size) as f64 / t,
+                        amp.loss_scale(0)?
+                    );
+                }
             }
         }
         // evaluate on validation set
-        let prec1 = validate(&model, &data.test, args.batch_size).top1;
+        let prec1 = validate(&model, &data.test, args.batch_size, pg.as_ref())?.top1;
         // remember best prec@1 and save checkpoint
         let is_best = prec1 > best_prec1;
         best_prec1 = best_prec1.max(prec1);
         let ckpt = args.checkpoint_dir.join("checkpoint.safetensors");
-        save_checkpoint(&ckpt, &vs, &[&optimizer], &amp)?;
+        match &pg {
+            // Every rank holds the same weights: rank 0 writes, all learn whether it worked.
+            Some(pg) => save_checkpoint_on_rank0(pg, &ckpt, &vs, &[&optimizer], &amp)?,
+            None => save_checkpoint(&ckpt, &vs, &[&optimizer], &amp)?,
+        }
+        if !main_rank {
+            continue;
+        }
         let info = CheckpointInfo {
             epoch: epoch + 1,
             best_prec1,

@@ -150,6 +150,9 @@ pub enum AmpError {
     /// A `torch.save` file that cannot be read or written (see [`crate::torch_io`]).
     #[error(transparent)]
     TorchFile(#[from] crate::torch_io::TorchIoError),
+    /// A distributed-training operation failed (see [`crate::distributed`]).
+    #[error(transparent)]
+    Distributed(Box<crate::distributed::DistError>),
     /// An aten operator name that the dispatcher does not know.
     #[error("unknown aten op {name:?}: {message}")]
     UnknownOp {
@@ -312,5 +315,14 @@ pub(crate) fn mismatch(message: impl Into<String>) -> AmpError {
 impl From<crate::config::ParseOptLevelError> for AmpError {
     fn from(e: crate::config::ParseOptLevelError) -> Self {
         AmpError::UnknownOptLevel { name: e.name().to_string() }
+    }
+}
+
+impl From<crate::distributed::DistError> for AmpError {
+    fn from(e: crate::distributed::DistError) -> Self {
+        match e {
+            crate::distributed::DistError::Amp { source } => source,
+            other => AmpError::Distributed(Box::new(other)),
+        }
     }
 }

@@ -94,6 +94,7 @@ mod checkpoint;
 mod config;
 #[doc(hidden)]
 pub mod diagnostics;
+pub mod distributed;
 mod dtype;
 mod error;
 mod model;

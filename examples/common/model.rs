@@ -29,21 +29,28 @@ fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> nn::Conv2D {
     nn::conv2d(p, cin, cout, k, cfg)
 }
 
-fn bn(p: nn::Path, c: i64) -> nn::BatchNorm {
-    nn::batch_norm2d(p, c, Default::default())
+fn bn(p: nn::Path, c: i64) -> Norm {
+    Box::new(nn::batch_norm2d(p, c, Default::default()))
 }
+
+/// A batch-norm layer: tch's `nn::BatchNorm`, or (`--sync_bn`) a `SyncBatchNorm`.
+pub type Norm = Box<dyn ModuleT>;
+
+/// Makes the batch norm of `c` channels at a path (the variables must be those of
+/// `nn::batch_norm2d`, as `tch_amp::distributed::sync_batch_norm` creates them).
+pub type MakeNorm<'a> = &'a dyn Fn(nn::Path, i64) -> Norm;
 
 #[derive(Debug)]
 struct BasicBlock {
     conv1: nn::Conv2D,
-    bn1: nn::BatchNorm,
+    bn1: Norm,
     conv2: nn::Conv2D,
-    bn2: nn::BatchNorm,
-    shortcut: Option<(nn::Conv2D, nn::BatchNorm)>,
+    bn2: Norm,
+    shortcut: Option<(nn::Conv2D, Norm)>,
 }
 
 impl BasicBlock {
-    fn new(p: &nn::Path, cin: i64, cout: i64, stride: i64) -> Self {
+    fn new(p: &nn::Path, cin: i64, cout: i64, stride: i64, bn: MakeNorm) -> Self {
         let shortcut = (stride != 1 || cin != cout)
             .then(|| (conv(p / "shortcut", cin, cout, 1, stride), bn(p / "shortcut_bn", cout)));
         Self {
@@ -72,7 +79,7 @@ impl ModuleT for BasicBlock {
 #[derive(Debug)]
 pub struct SmallResNet {
     stem: nn::Conv2D,
-    stem_bn: nn::BatchNorm,
+    stem_bn: Norm,
     blocks: Vec<BasicBlock>,
     fc: nn::Linear,
     pool: i64,
@@ -81,13 +88,18 @@ pub struct SmallResNet {
 impl SmallResNet {
     /// Creates the variables under `p`.
     pub fn new(p: &nn::Path, cfg: ResNetConfig) -> Self {
+        Self::with_norm(p, cfg, &bn)
+    }
+
+    /// [`Self::new`] with batch norms made by `bn` (e.g. SyncBatchNorm).
+    pub fn with_norm(p: &nn::Path, cfg: ResNetConfig, bn: MakeNorm) -> Self {
         let mut c = cfg.width;
         let stem = conv(p / "stem", cfg.in_channels, c, 3, 1);
         let stem_bn = bn(p / "stem_bn", c);
         let mut blocks = Vec::new();
         for i in 0..cfg.stages {
             let cout = if i == 0 { c } else { 2 * c };
-            blocks.push(BasicBlock::new(&(p / format!("block{i}")), c, cout, 2));
+            blocks.push(BasicBlock::new(&(p / format!("block{i}")), c, cout, 2, bn));
             c = cout;
         }
         let pool = cfg.pool.max(1);

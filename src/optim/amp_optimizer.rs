@@ -449,6 +449,11 @@ impl AmpOptimizer {
         Ok(Some(any == 0))
     }
 
+    /// The fp32 masters (of the fp16/bf16 parameters under master weights), shallow clones.
+    pub(crate) fn masters(&self) -> Vec<Tensor> {
+        self.entries.iter().filter_map(|e| e.master().map(Tensor::shallow_clone)).collect()
+    }
+
     /// For each parameter, whether it has an fp32 master.
     pub(crate) fn master_flags(&self) -> Vec<bool> {
         self.entries.iter().map(|e| e.master().is_some()).collect()

@@ -1,0 +1,77 @@
+//! A Rust rank and a Python rank in one process group: this test (rank 0, tch-amp's
+//! DistributedDataParallel at O0) and `tests/fixtures/dist_python_rank.py` (rank 1, torch's
+//! DistributedDataParallel and SGD, the venv's torch 2.13.0) train the same model on their halves
+//! of each batch. The rendezvous keys, the DDP start-up collectives (parameter check, state
+//! broadcast) and the Reducer's buckets are torch's on both sides, so they meet; after every step
+//! both ranks hold the same averaged gradients and the same weights, bit for bit (tch-amp's SGD is
+//! torch.optim.SGD's single-tensor algorithm op for op). torch's DDP divides by the world size before the
+//! allreduce, Apex after it: the Rust rank sets `gradient_predivide_factor = 2` to divide where
+//! torch does (with Apex's default the ranks' bucket contents would not add up).
+
+use std::process::Command;
+
+use tch::nn::{self, ModuleT, VarStore};
+use tch::{Device, Kind, Tensor};
+use tch_amp::distributed::{DdpOptions, DistributedDataParallel, InitOptions, ProcessGroup};
+use tch_amp::{initialize, AmpConfig, OptLevel};
+
+use crate::support::{free_port, Peer, PEER_DEADLINE, TIMEOUT};
+
+const B: i64 = 8;
+const STEPS: usize = 5;
+
+fn python() -> Option<String> {
+    std::env::var("TCH_AMP_PYTHON").ok()
+}
+
+/// Both ranks' copies of each tensor, compared bit for bit (the Python rank checks too).
+fn check<'a>(pg: &ProcessGroup, step: usize, what: &str, named: impl Iterator<Item = (&'a str, Tensor)>) {
+    for (name, t) in named {
+        let both = pg.all_gather(&t).expect("all_gather with the Python rank");
+        let d = (&both[0] - &both[1]).abs().max().double_value(&[]);
+        assert!(both[0].equal(&both[1]), "step {step} {what} {name}: Python's differs by {d:e}");
+    }
+}
+
+#[test]
+fn rust_rank_and_python_rank_train_together() {
+    let Some(python) = python() else {
+        panic!("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)");
+    };
+    tch::set_num_threads(1);
+    let port = free_port();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dist_python_rank.py");
+    let mut peer = Peer::spawn(Command::new(python).arg(script).arg(port.to_string()).arg(STEPS.to_string()));
+    let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
+    let vs = VarStore::new(Device::Cpu);
+    tch::manual_seed(1);
+    let p = vs.root();
+    let net = nn::seq_t()
+        .add(nn::linear(&p / "0", 8, 32, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "2", 32, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&p / "4", 16, 4, Default::default()));
+    let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: false };
+    let (model, mut opt, mut amp) = initialize(&vs, net, sgd, 0.1, &AmpConfig::new(OptLevel::O0)).unwrap();
+    // torch's DDP divides by the world size before the sum (Apex after it): the two ranks must
+    // divide at the same place for their buckets to add up.
+    let options = DdpOptions::default().bucket_cap_bytes(25 << 20).gradient_predivide_factor(2.0);
+    let ddp =
+        DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], options).expect("DDP with the Python rank");
+    // torch's named_parameters() order, which the Python rank gathers in.
+    let order = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"];
+    for step in 0..STEPS {
+        tch::manual_seed(1000 + step as i64);
+        let x = Tensor::randn([2 * B, 8], (Kind::Float, Device::Cpu)).narrow(0, 0, B);
+        let y = Tensor::randn([2 * B, 4], (Kind::Float, Device::Cpu)).narrow(0, 0, B);
+        let loss = ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+        opt.zero_grad().unwrap();
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        let vars = vs.variables();
+        check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
+        assert!(opt.step().unwrap().stepped());
+        check(&pg, step, "weight", order.iter().map(|n| (*n, vars[*n].shallow_clone())));
+    }
+    peer.expect_success(PEER_DEADLINE);
+}

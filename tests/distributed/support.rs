@@ -1,0 +1,140 @@
+//! Two-process harness for the distributed tests: the test process is rank 0 and re-runs its
+//! own binary, filtered to the same test, as rank 1 (`TCH_AMP_TEST_RANK=1`). Both run the
+//! same body; a free loopback port per test; the peer is killed if rank 0 fails, and waited
+//! for with a bound.
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use tch_amp::distributed::{InitOptions, ProcessGroup};
+
+/// Set in the re-run test binary: the rank it plays.
+pub const RANK_ENV: &str = "TCH_AMP_TEST_RANK";
+/// Set in the re-run test binary: the TCPStore port.
+pub const PORT_ENV: &str = "TCH_AMP_TEST_PORT";
+/// Set in the re-run test binary: a folder both ranks may use (rank 0 removes it at the end).
+pub const DIR_ENV: &str = "TCH_AMP_TEST_DIR";
+/// Bound on every rendezvous and collective of the tests.
+pub const TIMEOUT: Duration = Duration::from_secs(20);
+/// Bound on the peer process's whole run.
+pub const PEER_DEADLINE: Duration = Duration::from_secs(90);
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local addr").port()
+}
+
+/// The peer process; killed (and reaped) when dropped unless it was waited for.
+pub struct Peer {
+    child: Option<Child>,
+}
+
+impl Peer {
+    /// Starts `cmd` as the peer.
+    pub fn spawn(cmd: &mut Command) -> Self {
+        Self { child: Some(cmd.stdin(Stdio::null()).spawn().expect("spawn the peer")) }
+    }
+
+    /// Kills the peer now (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the peer to exit (at most `deadline`, then kills it) and asserts it passed.
+    pub fn expect_success(&mut self, deadline: Duration) {
+        let Some(mut c) = self.child.take() else { return };
+        let start = Instant::now();
+        loop {
+            match c.try_wait().expect("try_wait") {
+                Some(status) => {
+                    assert!(status.success(), "rank 1 failed: {status}");
+                    return;
+                }
+                None if start.elapsed() > deadline => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("rank 1 did not finish within {deadline:?}");
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Which side of a two-rank test this process is.
+pub struct Side {
+    /// 0 or 1.
+    pub rank: usize,
+    /// The TCPStore port.
+    pub port: u16,
+    /// On rank 0: the peer process.
+    pub peer: Option<Peer>,
+    /// A folder shared by both ranks for this test (deleted by rank 0 afterwards).
+    pub dir: std::path::PathBuf,
+}
+
+impl Side {
+    /// Joins the two-rank group on 127.0.0.1 (Gloo, [`TIMEOUT`]).
+    pub fn group(&self) -> ProcessGroup {
+        ProcessGroup::init(&InitOptions::new(self.rank, 2, "127.0.0.1", self.port).timeout(TIMEOUT))
+            .expect("rendezvous")
+    }
+}
+
+/// Runs `body` on two ranks: here as rank 0, and in a re-run of this test binary (only the test
+/// `name`) as rank 1. On rank 0, returns after rank 1 has exited successfully.
+///
+/// `name` is the test's path as `concat!(module_path!(), "::test_name")` gives it; the crate
+/// name in front is dropped to get the name libtest filters on.
+pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
+    let name = name.split_once("::").map_or(name, |(_, rest)| rest);
+    tch::set_num_threads(1);
+    if let Ok(r) = std::env::var(RANK_ENV) {
+        let port = std::env::var(PORT_ENV).expect("port").parse().expect("port number");
+        let dir = std::env::var(DIR_ENV).expect("shared folder").into();
+        let mut side = Side { rank: r.parse().expect("rank"), port, peer: None, dir };
+        body(&mut side);
+        return;
+    }
+    let port = free_port();
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    // The peer's libtest lines stay out of this test's output; its panics (stderr) show.
+    let child = Command::new(std::env::current_exe().expect("test binary"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(RANK_ENV, "1")
+        .env(PORT_ENV, port.to_string())
+        .env(DIR_ENV, dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn rank 1");
+    let mut side = Side { rank: 0, port, peer: Some(Peer { child: Some(child) }), dir: dir.path().to_path_buf() };
+    body(&mut side);
+    if let Some(mut peer) = side.peer.take() {
+        peer.expect_success(PEER_DEADLINE);
+    }
+}
+
+/// Every rank's copy of `t` (same shape everywhere).
+pub fn gathered(pg: &ProcessGroup, t: &Tensor) -> Vec<Tensor> {
+    pg.all_gather(t).expect("all_gather")
+}
+
+/// Asserts `t` has the same bits on every rank.
+pub fn assert_same_on_all_ranks(pg: &ProcessGroup, t: &Tensor, what: &str) {
+    let all = gathered(pg, t);
+    for (r, x) in all.iter().enumerate() {
+        assert!(x.equal(&all[0]), "{what}: rank {r} differs from rank 0");
+    }
+}
