@@ -8,7 +8,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, TchError, Tensor};
 
 use crate::cast::disable::without_casts;
-use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, PolicyHandle};
+use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, CpuFeatures, PolicyHandle};
 use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
@@ -68,7 +68,7 @@ impl CastRuntime {
             (p.cast_policy().clone(), settings, devices)
         } else {
             match plan.model_cast {
-                Some((k @ (Kind::Half | Kind::BFloat16), _)) if settings.emulate_low_precision_on_cpu => {
+                Some((k @ (Kind::Half | Kind::BFloat16), _)) if settings.emulates(k) => {
                     (CastPolicy::emulation_only(), settings.low_precision_dtype(k), vec![Device::Cpu])
                 }
                 _ => return Ok(None),
@@ -125,8 +125,8 @@ pub struct Amp {
 impl Amp {
     /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, activates the
     /// cast policy on this thread (CPU, and CUDA when available) for as long as the `Amp`
-    /// lives. Under O2/O3 with an fp16/bf16 model and CPU emulation on (the default), the
-    /// emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
+    /// lives. Under O2/O3 with an fp16/bf16 model whose type is emulated on this CPU (see
+    /// [`crate::CpuKernels`]), the emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
     /// cast engine registers its kernels with libtorch, once for the process.
     ///
     /// # Errors
@@ -145,6 +145,14 @@ impl Amp {
         let scalers = (0..props.num_losses()).map(|_| LossScaler::new(&props)).collect();
         if props.verbosity() >= 2 {
             println!("tch-amp: {props:?}");
+            let s = props.cast_settings();
+            println!(
+                "tch-amp: CPU fp16/bf16 GEMMs and convolutions: fp16 {:?}, bf16 {:?} (CPU {:?}: {})",
+                s.cpu_fp16,
+                s.cpu_bf16,
+                CpuFeatures::detect().name,
+                CpuFeatures::detect().summary()
+            );
         }
         let casts = CastRuntime::for_properties(&props, plan)?;
         Ok(Self {

@@ -50,3 +50,81 @@ pub fn check_aten_op(name: &str) -> Result<()> {
         other => other,
     })
 }
+
+/// Bytes held by libtorch's CPU allocator since [`track_cpu_memory`] wrapped it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuMemory {
+    /// Bytes allocated and not yet freed.
+    pub current: i64,
+    /// The most held at once since the last [`reset_cpu_memory_peak`] (or since tracking began).
+    pub peak: i64,
+}
+
+/// Wraps libtorch's CPU allocator in a counting one, for the rest of the process (the first call
+/// installs it; later calls do nothing). Only tensors allocated afterwards are counted. Each
+/// allocation then costs a mutex and a hash-map update: for tests and benchmarks, not training.
+///
+/// # Errors
+/// [`AmpError::Shim`] if libtorch's allocator cannot be wrapped.
+pub fn track_cpu_memory() -> Result<()> {
+    crate::sys::cpu::cpu_memory_tracking_install()
+}
+
+/// The counting allocator's current and peak bytes (zeros before [`track_cpu_memory`]).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the counters cannot be read (not expected).
+pub fn cpu_memory() -> Result<CpuMemory> {
+    let (current, peak) = crate::sys::cpu::cpu_memory(false)?;
+    Ok(CpuMemory { current, peak })
+}
+
+/// Reads the counters like [`cpu_memory`], then starts a new peak from the current value.
+///
+/// # Errors
+/// As [`cpu_memory`].
+pub fn reset_cpu_memory_peak() -> Result<CpuMemory> {
+    let (current, peak) = crate::sys::cpu::cpu_memory(true)?;
+    Ok(CpuMemory { current, peak })
+}
+
+/// Where the cast kernels of the calling thread spent their time since the last
+/// [`take_cast_profile`], while [`set_cast_profiling`] was on. Backward ops are not cast and
+/// not counted (autograd runs the casts' backward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CastProfile {
+    /// O1's policy casts (including weight-cast cache hits).
+    pub policy_casts: std::time::Duration,
+    /// Emulated ops: converting their fp16/bf16 inputs to fp32.
+    pub emulated_inputs: std::time::Duration,
+    /// Emulated ops: the fp32 op itself.
+    pub emulated_ops: std::time::Duration,
+    /// Emulated ops: rounding their outputs to fp16/bf16.
+    pub emulated_outputs: std::time::Duration,
+    /// Number of emulated calls.
+    pub emulated_calls: u64,
+}
+
+/// Turns the cast kernels' phase timers on or off (for every thread).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the engine cannot be reached (not expected).
+pub fn set_cast_profiling(on: bool) -> Result<()> {
+    crate::sys::cast::set_profiling(on)
+}
+
+/// The calling thread's [`CastProfile`] since the last call; resets it.
+///
+/// # Errors
+/// As [`set_cast_profiling`].
+pub fn take_cast_profile() -> Result<CastProfile> {
+    let [cast, inputs, op, outputs, calls] = crate::sys::cast::take_profile()?;
+    let d = |ns: i64| std::time::Duration::from_nanos(ns.max(0) as u64);
+    Ok(CastProfile {
+        policy_casts: d(cast),
+        emulated_inputs: d(inputs),
+        emulated_ops: d(op),
+        emulated_outputs: d(outputs),
+        emulated_calls: calls.max(0) as u64,
+    })
+}

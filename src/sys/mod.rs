@@ -14,6 +14,7 @@ use crate::error::{AmpError, Result};
 
 mod autocast;
 pub(crate) mod cast;
+pub(crate) mod cpu;
 mod grads;
 mod optim;
 
