@@ -128,3 +128,48 @@ pub fn take_cast_profile() -> Result<CastProfile> {
         emulated_calls: calls.max(0) as u64,
     })
 }
+
+/// One Adam update (`adamw == false`) or AdamW update of `params` with libtorch's fused CPU/CUDA
+/// kernel (`torch._fused_adam_`, what `torch.optim.Adam(fused=True)` runs), in place on
+/// `params`, `exp_avgs` and `exp_avg_sqs`; `steps` are 0-dim fp32 tensors holding each
+/// parameter's step count after this update. For hand-written loops that should run the very
+/// update tch-amp runs (the benchmark's baseline).
+///
+/// # Errors
+/// [`AmpError::Shim`] when the lists differ in length or libtorch rejects the tensors.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_adam_(
+    params: &[tch::Tensor],
+    grads: &[tch::Tensor],
+    exp_avgs: &[tch::Tensor],
+    exp_avg_sqs: &[tch::Tensor],
+    steps: &[tch::Tensor],
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    weight_decay: f64,
+    eps: f64,
+    adamw: bool,
+) -> Result<()> {
+    let args = crate::sys::FusedAdamArgs { params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: &[], steps };
+    crate::sys::fused_adam_(&args, lr, (beta1, beta2), weight_decay, eps, false, adamw, false)
+}
+
+/// Sets libtorch's TF32 switches for CUDA matmuls and cuDNN convolutions (PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`); no effect
+/// on CPU computations.
+///
+/// # Errors
+/// [`AmpError::Shim`] if libtorch refuses (not expected).
+pub fn set_allow_tf32(on: bool) -> Result<()> {
+    crate::sys::set_allow_tf32(on)
+}
+
+/// Sets the largest slice (elements) of an fp32 master gradient that O2's `step` makes at once
+/// from the model's fp16 gradient (default 64 Ki); 0 turns the slice-wise path off, so that
+/// every master gradient is made full-size at `scale_loss` exit (18 bytes per parameter at the
+/// peak with Adam instead of 16). Process-wide; returns the previous value. For tests and
+/// benchmarks.
+pub fn set_master_grad_slice(elements: i64) -> i64 {
+    crate::optim::set_master_grad_slice(elements)
+}

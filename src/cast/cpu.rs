@@ -4,10 +4,11 @@
 //!
 //! libtorch sends an fp16/bf16 GEMM or convolution to oneDNN when oneDNN supports the type on
 //! the CPU; otherwise it runs a generic loop that is 50-170x slower than fp32. oneDNN is only
-//! fast where the CPU computes in that type: bf16 with AVX512_BF16 (dot products) or AMX_BF16
-//! (tile matrix multiply), fp16 with AVX512_FP16 or AMX_FP16. With those units native kernels
-//! are faster than the emulation (the emulation converts both operands to fp32 and runs an
-//! fp32 GEMM); without them the emulation runs at fp32 speed. Both follow the same numerical
+//! fast where the CPU computes in that type (bf16: AVX512_BF16 dot products or AMX_BF16 tile
+//! multiplies), and then only for the kernels it has: on AVX512_FP16 it has no fast fp16
+//! convolution weight gradient. [`CpuFeatures::native_is_fast`] gives the rule and the
+//! measurements behind it; the emulation (both operands converted to fp32, an fp32 GEMM, the
+//! output rounded) runs at fp32 speed everywhere. Both follow the same numerical
 //! contract: inputs in the 16-bit type, products accumulated in fp32, the output rounded once
 //! (`tests/o1/emulation.rs` checks native against emulated on the CPU the tests run on).
 use once_cell::sync::OnceCell;
@@ -97,17 +98,22 @@ impl CpuFeatures {
         Ok(f)
     }
 
-    /// Whether libtorch's native kernels for `kind` (`Half` or `BFloat16`) are fast on this
-    /// CPU: oneDNN supports the type and the CPU has units that compute in it (bf16:
-    /// AVX512_BF16 or AMX_BF16; fp16: AVX512_FP16 or AMX_FP16). Measured on an Intel Xeon with
-    /// AMX_BF16 and AVX512_FP16 and on an AMD EPYC with AVX512_BF16 (BENCHMARKS.md): there the
-    /// native kernels beat the emulation; oneDNN's bf16 on plain AVX512 converts to fp32 like
-    /// the emulation does, and without oneDNN support libtorch's generic loops are 50-170x
-    /// slower than fp32.
+    /// Whether libtorch's native kernels for `kind` (`Half` or `BFloat16`) are faster on this
+    /// CPU than the emulation, for training (forward and backward), as measured with
+    /// `cargo bench --bench amp` (BENCHMARKS.md):
+    /// - bf16: native when oneDNN supports bf16 and the CPU computes in it (AVX512_BF16 or
+    ///   AMX_BF16). Measured on an Intel Xeon with AMX_BF16: native steps take 0.45x (MLP) and
+    ///   0.55x (CNN) the emulated ones; an AMD EPYC with AVX512_BF16 ran PyTorch's bf16 autocast
+    ///   faster than tch-amp's emulation. Without those units oneDNN converts bf16 to fp32 as
+    ///   the emulation does, or libtorch falls back to loops 50-170x slower than fp32.
+    /// - fp16: never. With AVX512_FP16 (and no AMX_FP16) oneDNN runs fp16 GEMMs at fp32 speed
+    ///   but computes the weight gradient of an fp16 convolution with its reference kernel
+    ///   (`ref:any`): the main job's CNN steps 30x slower than emulated. CPUs with AMX_FP16
+    ///   have not been measured; force [`CpuKernels::Native`] after measuring them. Without
+    ///   fp16 units libtorch's fp16 GEMMs are 50-170x slower than fp32.
     pub fn native_is_fast(&self, kind: Kind) -> bool {
         match kind {
             Kind::BFloat16 => self.onednn_bf16 && (self.avx512_bf16 || self.amx_bf16),
-            Kind::Half => self.onednn_fp16 && (self.avx512_fp16 || self.amx_fp16),
             _ => false,
         }
     }

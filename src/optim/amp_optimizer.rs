@@ -1,13 +1,15 @@
 //! The optimizer `initialize` returns: steps the fp32 masters (O2) or the model's own
 //! variables, skips a step after an overflow, clips on the master gradients.
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
 use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::record::{OptimizerRecord, ParamRecord};
-use super::rules::{Optimizer, OptimizerConfig};
+use super::rules::{GradSlice, Optimizer, OptimizerConfig};
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 
 /// What [`AmpOptimizer::step`] did.
@@ -68,6 +70,37 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
+/// O2's gradients between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
+/// checked for inf/NaN but not unscaled. `step` turns them into fp32 master gradients a slice
+/// at a time, right before each slice's update, so that no full-size fp32 gradient is ever
+/// held: 16 bytes per parameter at the peak with Adam (2 fp16 weight + 4 master + 2 fp16 grad
+/// + 8 state) instead of 18. Anything that needs the fp32 master gradients before `step`
+/// (clipping, [`AmpOptimizer::master_params`], another `scale_loss` accumulating into them)
+/// makes them all at once, as before.
+#[derive(Debug)]
+struct HalfGrads {
+    /// The fp32 `1 / loss_scale` of the pass that made them.
+    inv_scale: Tensor,
+}
+
+/// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]);
+/// 0 turns the slice-wise path off (every master gradient made full-size at `scale_loss` exit).
+static SLICE_MAX: AtomicI64 = AtomicI64::new(DEFAULT_SLICE_MAX);
+/// 64 Ki elements: a slice's gradient, master and Adam state (1.3 MB) stay in a core's L2.
+pub(crate) const DEFAULT_SLICE_MAX: i64 = 1 << 16;
+/// A slice may take a fresh buffer of up to this many fp32 elements (16 KiB) when no spent
+/// fp16 gradient storage is large enough yet (the first, smallest parameters).
+const SLICE_MIN: i64 = 1 << 12;
+/// Slices start at multiples of this many elements (see `step_from_half_grads`).
+const SLICE_ALIGN: i64 = 64;
+
+/// Sets the largest slice of a master gradient made at once by O2's `step` (0: off, every
+/// master gradient is made full-size at `scale_loss` exit, the 18-byte path). For tests and
+/// benchmarks; returns the previous value.
+pub(crate) fn set_master_grad_slice(elements: i64) -> i64 {
+    SLICE_MAX.swap(elements.max(0), Ordering::Relaxed)
+}
+
 #[derive(Debug, Clone, Copy)]
 struct PendingSkip {
     loss_id: usize,
@@ -98,6 +131,9 @@ pub struct AmpOptimizer {
     /// Grads hold a scaled, not yet unscaled, contribution (a `delay_unscale` pass).
     scaled_pending: bool,
     skip_next: Option<PendingSkip>,
+    /// O2: master gradients not made yet (see [`HalfGrads`]); behind a mutex so that
+    /// [`Self::master_params`] (`&self`) can make them.
+    half_grads: Mutex<Option<HalfGrads>>,
     steps: u64,
     skipped: u64,
 }
@@ -113,7 +149,17 @@ impl AmpOptimizer {
         let groups = entries.iter().map(ParamEntry::group).collect();
         let inner = Optimizer::new(config, lr, params, groups, setup.fp32_optimizer_state)?;
         let stash = entries.iter().map(|_| None).collect();
-        Ok(Self { setup, inner, entries, stash, scaled_pending: false, skip_next: None, steps: 0, skipped: 0 })
+        Ok(Self {
+            setup,
+            inner,
+            entries,
+            stash,
+            scaled_pending: false,
+            skip_next: None,
+            half_grads: Mutex::new(None),
+            steps: 0,
+            skipped: 0,
+        })
     }
 
     /// The learning rate.
@@ -156,8 +202,46 @@ impl AmpOptimizer {
     /// The parameters this optimizer updates: the fp32 masters for low-precision model
     /// variables under master weights, the model's own variables otherwise (Apex's
     /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
+    ///
+    /// Between `scale_loss` and `step` under O2 this makes the fp32 master gradients (unscaled)
+    /// from the model's fp16 ones, which `step` would otherwise make a slice at a time (see
+    /// [`Self::memory`]); if that fails (out of memory) the masters are returned without them.
     pub fn master_params(&self) -> Vec<Tensor> {
+        let _ = self.make_master_grads();
         self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
+    }
+
+    /// Makes the pending fp32 master gradients of an O2 pass at once: each fp16 model gradient
+    /// is copied to fp32, unscaled and added to its master's (`scale_loss` did this itself
+    /// before the slice-wise step existed). Nothing to do when none are pending.
+    fn make_master_grads(&self) -> Result<()> {
+        let Some(half) = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take()
+        else {
+            return Ok(());
+        };
+        let _no_grad = tch::no_grad_guard();
+        let mut made: Vec<(usize, Tensor)> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            if e.master().is_some() {
+                if let Some(g) = take_grad(e.model())? {
+                    made.push((i, g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?));
+                }
+            }
+        }
+        let grads: Vec<Tensor> = made.iter().map(|(_, g)| g.shallow_clone()).collect();
+        let flag = Tensor::f_zeros([1], (Kind::Float, half.inv_scale.device())).ctx("found_inf")?;
+        unscale_(&grads, &flag, &half.inv_scale)?;
+        for (i, g) in made {
+            let Some(master) = self.entries[i].master() else { continue };
+            let existing = master.grad();
+            if existing.defined() {
+                let mut ex = existing;
+                let _ = ex.f_add_(&g).ctx("accumulating a master gradient")?;
+            } else {
+                set_grad(master, &g)?;
+            }
+        }
+        Ok(())
     }
 
     /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
@@ -166,6 +250,12 @@ impl AmpOptimizer {
     }
 
     /// Bytes held right now by the weights, masters, gradients and optimizer state.
+    ///
+    /// Under O2 the gradients between `scale_loss` and `step` are the model's fp16 ones (2 bytes
+    /// per parameter): `step` unscales each into fp32 a slice of at most 64 Ki elements at a
+    /// time, updates that slice of the master and rounds it into the model, so with Adam the
+    /// peak is 16 bytes per parameter (2 fp16 weight + 4 master + 2 fp16 grad + 8 state) plus
+    /// at most 16 KiB (Apex held 20: it kept fp16 and fp32 gradients).
     pub fn memory(&self) -> MemoryReport {
         let mut r = MemoryReport::default();
         for (e, st) in self.entries.iter().zip(self.inner.states()) {
@@ -200,6 +290,7 @@ impl AmpOptimizer {
         }
         self.stash.iter_mut().for_each(|s| *s = None);
         self.scaled_pending = false;
+        *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? = None;
         Ok(())
     }
 
@@ -228,12 +319,26 @@ impl AmpOptimizer {
         if self.scaled_pending {
             return Err(AmpError::GradientsStillScaled);
         }
-        if self.setup.disable_casts_in_step {
-            crate::cast::disable::without_casts(|| self.inner.step())??;
+        let half = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take();
+        let update = |this: &mut Self| -> Result<()> {
+            // Parameters holding their gradient (fp32 variables, masters whose gradient was
+            // made at once); then the masters whose gradient is still the model's fp16 one.
+            this.inner.step()?;
+            match half {
+                Some(h) => this.step_from_half_grads(&h),
+                None => copy_masters_to_model(&this.entries),
+            }
+        };
+        let result = if self.setup.disable_casts_in_step {
+            crate::cast::disable::without_casts(|| update(self))?
         } else {
-            self.inner.step()?;
+            update(self)
+        };
+        if let Err(e) = result {
+            // A slice-wise step may have used spent fp16 gradients as scratch: drop them all.
+            self.zero_grad()?;
+            return Err(e);
         }
-        copy_masters_to_model(&self.entries)?;
         // As Apex: master grads are not reached by zeroing the model's grads, so they are
         // released here (which also frees their memory until the next backward).
         for m in self.entries.iter().filter_map(ParamEntry::master) {
@@ -268,6 +373,7 @@ impl AmpOptimizer {
                 expected: "a positive number or f64::INFINITY",
             });
         }
+        self.make_master_grads()?;
         let grads: Vec<Tensor> =
             self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
         if grads.is_empty() {
@@ -312,6 +418,9 @@ impl AmpOptimizer {
         if self.scaled_pending {
             return Ok(());
         }
+        // A second pass before `step` (accumulation): the first pass's gradients become fp32
+        // master gradients now, and the new ones are added to them at exit.
+        self.make_master_grads()?;
         for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
             match e.master() {
                 // Master grads keep accumulating; the fp16 grads must start empty.
@@ -330,11 +439,28 @@ impl AmpOptimizer {
     /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
     /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
     pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+        // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
+        // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
+        let slice_wise = SLICE_MAX.load(Ordering::Relaxed) > 0
+            && self.entries.iter().any(|e| e.master().is_some())
+            && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
+            && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
+                let g = e.model().grad();
+                !g.defined()
+                    || (g.is_contiguous() && e.model().is_contiguous() && e.master().is_some_and(Tensor::is_contiguous))
+            });
+        let mut half: Vec<Tensor> = Vec::new();
         // Gather the new (scaled) gradients: fp16 model grads become fresh fp32 tensors.
         let mut fresh: Vec<Tensor> = Vec::new();
         let mut targets: Vec<(usize, Tensor)> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
             match e.master() {
+                Some(_) if slice_wise => {
+                    let g = e.model().grad();
+                    if g.defined() {
+                        half.push(g);
+                    }
+                }
                 Some(_) => {
                     if let Some(g) = take_grad(e.model())? {
                         let g32 = g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?;
@@ -352,6 +478,12 @@ impl AmpOptimizer {
             }
         }
         unscale_(&fresh, found_inf, inv_scale)?;
+        if slice_wise {
+            let one = Tensor::f_ones([1], (Kind::Float, found_inf.device())).ctx("checking fp16 gradients")?;
+            unscale_(&half, found_inf, &one)?;
+            *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? =
+                Some(HalfGrads { inv_scale: inv_scale.shallow_clone() });
+        }
         let _no_grad = tch::no_grad_guard();
         for (i, new_grad) in targets {
             match self.entries[i].master() {
@@ -379,6 +511,75 @@ impl AmpOptimizer {
             }
         }
         self.scaled_pending = false;
+        Ok(())
+    }
+
+    /// The slice-wise O2 update (see [`HalfGrads`]): for each parameter with a master and an
+    /// fp16 gradient, smallest first, each slice of the gradient is unscaled into fp32
+    /// (`fp16 -> fp32` times `inv_scale`, what the full-size path computes), the master slice
+    /// updated from it and rounded into the model. The fp32 slice lives in fp16 gradient
+    /// storage already consumed (this parameter's or a previous one's), or, for the first
+    /// small parameters, in a fresh buffer of at most [`SLICE_MIN`] elements.
+    fn step_from_half_grads(&mut self, half: &HalfGrads) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let slice_max = SLICE_MAX.load(Ordering::Relaxed).max(1);
+        let mut order: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| self.entries[i].master().is_some() && self.entries[i].model().grad().defined())
+            .collect();
+        order.sort_by_key(|&i| self.entries[i].model().numel());
+        // fp32 view of the largest fp16 gradient consumed so far: scratch for later slices.
+        let mut spent: Option<Tensor> = None;
+        for i in order {
+            let e = &self.entries[i];
+            let (model, master) =
+                (e.model().shallow_clone(), e.master().map(Tensor::shallow_clone).unwrap_or_default());
+            let grad = model.grad().f_view([-1]).ctx("an fp16 gradient")?;
+            let n = grad.numel() as i64;
+            // This gradient's consumed prefix, seen as fp32 (an even number of fp16 elements).
+            let own = grad.f_narrow(0, 0, n - n % 2).and_then(|g| g.f_view_dtype(Kind::Float)).ctx("scratch")?;
+            let (model_flat, master_flat) = (model.f_view([-1]).ctx("a weight")?, master.f_view([-1]).ctx("a master")?);
+            let mut start = 0i64;
+            let mut next = || -> Result<Option<GradSlice>> {
+                if start >= n {
+                    return Ok(None);
+                }
+                // Slices start at multiples of SLICE_ALIGN elements, as the kernels' own
+                // vector blocks and thread ranges do, so each element takes the same code path
+                // as in a whole-tensor update.
+                let spent_cap = spent.as_ref().map_or(0, |t| t.numel() as i64);
+                let own_cap = start / 2;
+                let cap = spent_cap.max(own_cap).max(SLICE_MIN).min(slice_max);
+                let cap = (cap - cap % SLICE_ALIGN).max(SLICE_ALIGN);
+                let len = (n - start).min(cap);
+                let scratch = if spent_cap >= len {
+                    spent.as_ref().map(|t| t.f_narrow(0, 0, len)).transpose().ctx("scratch")?.unwrap_or_default()
+                } else if own_cap >= len {
+                    own.f_narrow(0, 0, len).ctx("scratch")?
+                } else {
+                    Tensor::f_empty([len], (Kind::Float, grad.device())).ctx("a master-gradient slice")?
+                };
+                // fp16 -> fp32, then times 1/scale in place: what the full-size path computes
+                // (a mixed-dtype multiply would make an fp32 temporary of the slice).
+                let mut g = scratch;
+                let _ =
+                    g.f_copy_(&grad.f_narrow(0, start, len).ctx("an fp16 gradient slice")?).ctx("a gradient slice")?;
+                let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
+                let out = GradSlice { start, grad: g };
+                start += len;
+                Ok(Some(out))
+            };
+            let mut done = |at: i64, len: i64| -> Result<()> {
+                let mut w = model_flat.f_narrow(0, at, len).ctx("a weight slice")?;
+                w.f_copy_(&master_flat.f_narrow(0, at, len).ctx("a master slice")?)
+                    .ctx("copying master weights into the model")
+                    .map(|_| ())
+            };
+            self.inner.update_in_slices(i, &mut next, &mut done)?;
+            clear_grad(&model)?;
+            if spent.as_ref().is_none_or(|t| t.numel() < own.numel()) {
+                spent = Some(own);
+            }
+        }
         Ok(())
     }
 

@@ -8,7 +8,7 @@ mod params;
 mod record;
 mod rules;
 
-pub(crate) use amp_optimizer::OptimizerSetup;
+pub(crate) use amp_optimizer::{set_master_grad_slice, OptimizerSetup};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use grads::unscale_;
 pub(crate) use params::build_entries;
