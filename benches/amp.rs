@@ -71,9 +71,13 @@ enum Opt {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
 enum AdamKernel {
-    /// libtorch's fused Adam kernel everywhere (tch-amp's Adam, torch.optim.Adam(fused=True)).
+    /// libtorch's fused Adam kernel everywhere: tch-amp's `OptimizerConfig::fused(true)`, the
+    /// same kernel called by the hand-written loop, torch.optim.Adam(fused=True). The update
+    /// is then the same code in every row, so ratios measure the AMP machinery alone.
     Fused,
-    /// torch.optim's single-tensor Adam in the hand-written loop and in PyTorch.
+    /// torch.optim's single-tensor algorithm (tch-amp's default Adam, torch's default on CPU);
+    /// the hand-written loop writes it with tch's ops (one more temporary per parameter, as
+    /// tch has no `addcmul_` with a value).
     Single,
 }
 
@@ -154,6 +158,14 @@ struct Args {
     /// is then empty).
     #[arg(long, default_value_t = 1536)]
     gemm_size: i64,
+    /// Largest slice (elements) of an fp32 master gradient O2's step makes at once (0: the
+    /// full-size master gradients made at scale_loss exit, the path before the slice-wise step).
+    #[arg(long)]
+    master_grad_slice: Option<i64>,
+    /// Add O2 rows that make the fp32 master gradients full-size at scale_loss exit (the path
+    /// before the slice-wise step), run in the same rounds.
+    #[arg(long)]
+    compare_full_size: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -322,8 +334,10 @@ fn flops_per_step(w: Workload) -> f64 {
 enum Config {
     /// Hand-written tch loop in fp32 (`tf32`: with TF32 on, CUDA only).
     Loop { tf32: bool },
-    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU.
-    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels },
+    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
+    /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
+    /// before the slice-wise step) instead of a slice at a time in `step`.
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }
@@ -342,7 +356,7 @@ impl Config {
             Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
-            Config::Amp { level, dtype: Some(k), kernels } => {
+            Config::Amp { level, dtype: Some(k), kernels, full_size } => {
                 let how = if cuda {
                     String::new()
                 } else {
@@ -350,7 +364,8 @@ impl Config {
                     let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
                     format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
                 };
-                format!("tch-amp {level} {}{how}", dtype_name(*k))
+                let full = if *full_size { ", full-size master grads" } else { "" };
+                format!("tch-amp {level} {}{how}{full}", dtype_name(*k))
             }
             Config::Torch("fp32") => "PyTorch fp32".into(),
             Config::Torch("tf32") => "PyTorch TF32".into(),
@@ -367,7 +382,7 @@ impl Config {
     }
 
     fn amp_config(&self) -> Option<AmpConfig> {
-        let Config::Amp { level, dtype, kernels } = *self else { return None };
+        let Config::Amp { level, dtype, kernels, .. } = *self else { return None };
         let mut c = AmpConfig::new(level).verbosity(0).cpu_kernels(kernels);
         if let Some(k) = dtype {
             c = match level {
@@ -387,7 +402,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
     if cuda {
         v.push(Config::Loop { tf32: true });
     }
-    v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto });
+    v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto, full_size: false });
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
             let chosen = CpuFeatures::detect().auto_choice(k);
@@ -396,7 +411,10 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
             }
             for kernels in kernels {
-                v.push(Config::Amp { level, dtype: Some(k), kernels });
+                v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: false });
+                if args.compare_full_size && level == OptLevel::O2 {
+                    v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: true });
+                }
             }
         }
     }
@@ -419,7 +437,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
 
 fn optimizer_config(args: &Args) -> OptimizerConfig {
     match args.optimizer {
-        Opt::Adam => nn::Adam::default().into(),
+        Opt::Adam => OptimizerConfig::from(nn::Adam::default()).fused(args.adam_kernel == AdamKernel::Fused),
         Opt::Sgd => nn::Sgd { momentum: 0.9, ..Default::default() }.into(),
     }
 }
@@ -518,7 +536,8 @@ impl HandOpt {
                     let _ = m.lerp_(&g, 1.0 - b1);
                     let _ = v.g_mul_scalar_(b2);
                     let _ = v.addcmul_(&g, &(&g * (1.0 - b2)));
-                    let denom = v.sqrt() / bc2_sqrt + eps;
+                    let mut denom = v.sqrt() / bc2_sqrt;
+                    let _ = denom.g_add_scalar_(eps);
                     let mut p = p.shallow_clone();
                     let _ = p.addcdiv_(&(&*m * (-lr / bc1)), &denom);
                 }
@@ -554,7 +573,7 @@ struct AmpSession {
 
 enum Runner {
     Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
-    Amp { cfg: AmpConfig, vs: VarStore, net: Option<Net>, session: Option<AmpSession> },
+    Amp { cfg: Box<AmpConfig>, full_size: bool, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
     Torch { workload: Workload, mode: &'static str },
 }
 
@@ -562,6 +581,8 @@ struct Bench {
     args: Args,
     device: Device,
     python: Option<Python>,
+    /// The slice setting a full-size round replaced.
+    saved_slice: std::cell::Cell<i64>,
 }
 
 impl Bench {
@@ -574,20 +595,24 @@ impl Bench {
                 let opt = HandOpt::new(&self.args, &vs);
                 Runner::Loop { net, _vs: vs, opt, tf32 }
             }
-            Config::Amp { .. } => {
+            Config::Amp { full_size, .. } => {
                 let net = build(w, &vs);
-                Runner::Amp { cfg: c.amp_config().expect("an Amp config"), vs, net: Some(net), session: None }
+                let cfg = c.amp_config().expect("an Amp config");
+                Runner::Amp { cfg: Box::new(cfg), full_size, vs, net: Some(net), session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
 
     fn begin_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { cfg, vs, net, session } = r {
+        if let Runner::Amp { cfg, full_size, vs, net, session } = r {
+            if *full_size {
+                self.saved_slice.set(diagnostics::set_master_grad_slice(0));
+            }
             let amp = Amp::new(cfg)?;
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
             let opt = amp.optimizer(vs, optimizer_config(&self.args), lr(&self.args))?;
-            *session = Some(AmpSession { model, opt, amp });
+            *session = Some(Box::new(AmpSession { model, opt, amp }));
         }
         if let Runner::Loop { tf32: true, .. } = r {
             diagnostics::set_allow_tf32(true)?;
@@ -596,18 +621,23 @@ impl Bench {
     }
 
     fn end_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { net, session, .. } = r {
-            if let Some(AmpSession { model, opt, amp }) = session.take() {
+        if let Runner::Amp { net, session, full_size, .. } = r {
+            if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
                 drop(opt);
                 *net = Some(model.into_inner());
                 drop(amp);
+            }
+            if *full_size {
+                diagnostics::set_master_grad_slice(self.saved_slice.get());
             }
         }
         diagnostics::set_allow_tf32(false)?;
         Ok(())
     }
 
-    /// One training step; phase times go to `phases` when given.
+    /// One training step; phase times go to `phases` when given. Never inlined: profilers
+    /// (`valgrind --tool=callgrind --toggle-collect='*Bench::step*'`) select it by name.
+    #[inline(never)]
     fn step(&self, r: &mut Runner, x: &Tensor, y: &Tensor, phases: Option<&mut Phases>) -> Result<()> {
         let d = self.device;
         let lr = lr(&self.args);
@@ -847,8 +877,8 @@ fn gemm_gflops(device: Device, n: i64) -> f64 {
 // Memory
 
 /// Peak bytes per parameter from the end of backward to the end of `step` (the unscale, the
-/// master gradients and the update), measured with the counting allocator: the peak minus the
-/// bytes alive then that are not training state (the batch, the loss...).
+/// master gradients and the update), measured with the counting allocator: everything the
+/// process holds then except the batch.
 fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor) -> Result<Option<(f64, f64, f64)>> {
     let Runner::Amp { .. } = r else { return Ok(None) };
     diagnostics::track_cpu_memory()?;
@@ -865,11 +895,13 @@ fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor) -> Resu
         let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
         s.amp.scale_loss(&loss, &mut [&mut s.opt], |l| {
             l.backward();
+            // What scale_loss does next; the peak starts after it.
+            let _ = tch_amp::cast::clear_cast_cache();
             let _ = diagnostics::reset_cpu_memory_peak();
         })?;
-        let before = diagnostics::cpu_memory()?;
         let state = s.opt.memory();
-        let other = before.current - state.total() as i64;
+        // Everything held counts except the batch (the caller's).
+        let other = [x, y].iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum::<usize>() as i64;
         s.opt.step()?;
         let after = diagnostics::cpu_memory()?;
         let params = state.params.max(1) as f64;
@@ -940,6 +972,9 @@ fn main() -> Result<()> {
         bail!("--steps and --rounds must be at least 1");
     }
     diagnostics::set_cast_profiling(args.phases)?;
+    if let Some(n) = args.master_grad_slice {
+        diagnostics::set_master_grad_slice(n);
+    }
     if args.clock == Clock::Cpu {
         if tch::get_num_threads() != 1 {
             bail!("--clock cpu measures the calling thread only: use it with --threads 1");
@@ -976,7 +1011,7 @@ fn main() -> Result<()> {
         args.warmup,
         if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
     );
-    let mut bench = Bench { args, device, python };
+    let mut bench = Bench { args, device, python, saved_slice: std::cell::Cell::new(0) };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
     for &w in &bench.args.workloads.clone() {

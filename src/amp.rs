@@ -411,7 +411,10 @@ impl Amp {
     /// Runs the user's backward with the cast policy off on this thread, so that backward ops
     /// (on CUDA, also those on autograd's device threads, which inherit autocast's state) are
     /// never cast: as under Apex, backward runs in the dtypes the forward's casts gave it.
-    /// Under O1 the weight-cast cache is emptied afterwards, as Apex did at each exit.
+    /// The weight-cast cache is emptied afterwards, as Apex did at each exit under O1; under
+    /// O2/O3 with CPU emulation it holds the fp32 copies of the fp16 weights the forward made,
+    /// which the step is about to change (keeping them would hold 4 more bytes per parameter
+    /// through the step).
     fn run_backward(
         &self,
         backward: impl FnOnce(&Tensor) -> std::result::Result<(), TchError>,
@@ -422,7 +425,7 @@ impl Amp {
         } else {
             backward(loss).ctx("backward")
         };
-        if self.plan.o1 {
+        if self.casts.is_some() {
             clear_cast_cache()?;
         }
         result
@@ -435,7 +438,7 @@ impl Amp {
         let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
         let inv_scale = Tensor::f_full([1], 1.0 / scale, (Kind::Float, device)).ctx("inv_scale")?;
         for o in optimizers.iter_mut() {
-            o.end_backward(&found_inf, &inv_scale)?;
+            o.end_backward(&found_inf, &inv_scale, scale)?;
         }
         Ok(dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }

@@ -73,24 +73,27 @@ fn bytes(t: &Tensor) -> usize {
 /// O2's gradients between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
 /// checked for inf/NaN but not unscaled. `step` turns them into fp32 master gradients a slice
 /// at a time, right before each slice's update, so that no full-size fp32 gradient is ever
-/// held: 16 bytes per parameter at the peak with Adam (2 fp16 weight + 4 master + 2 fp16 grad
-/// + 8 state) instead of 18. Anything that needs the fp32 master gradients before `step`
+/// held: 16 bytes per parameter at the peak with Adam (2 fp16 weight, 4 master, 2 fp16 grad,
+/// 8 state) instead of 18. Anything that needs the fp32 master gradients before `step`
 /// (clipping, [`AmpOptimizer::master_params`], another `scale_loss` accumulating into them)
 /// makes them all at once, as before.
 #[derive(Debug)]
 struct HalfGrads {
     /// The fp32 `1 / loss_scale` of the pass that made them.
     inv_scale: Tensor,
+    /// The loss scale (1: nothing to unscale).
+    scale: f64,
 }
 
 /// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]);
 /// 0 turns the slice-wise path off (every master gradient made full-size at `scale_loss` exit).
 static SLICE_MAX: AtomicI64 = AtomicI64::new(DEFAULT_SLICE_MAX);
-/// 64 Ki elements: a slice's gradient, master and Adam state (1.3 MB) stay in a core's L2.
-pub(crate) const DEFAULT_SLICE_MAX: i64 = 1 << 16;
-/// A slice may take a fresh buffer of up to this many fp32 elements (16 KiB) when no spent
-/// fp16 gradient storage is large enough yet (the first, smallest parameters).
-const SLICE_MIN: i64 = 1 << 12;
+/// 256 Ki elements (1 MiB of fp32 gradient): few slices per parameter (each costs a dozen
+/// small libtorch calls), and a slice's gradient, master and state still fit in L2/L3.
+pub(crate) const DEFAULT_SLICE_MAX: i64 = 1 << 18;
+/// A parameter too small for its own spent storage to hold an aligned slice (under 128
+/// elements) takes a fresh fp32 buffer of its size, at most this.
+const SLICE_MIN: i64 = 1 << 7;
 /// Slices start at multiples of this many elements (see `step_from_half_grads`).
 const SLICE_ALIGN: i64 = 64;
 
@@ -252,10 +255,11 @@ impl AmpOptimizer {
     /// Bytes held right now by the weights, masters, gradients and optimizer state.
     ///
     /// Under O2 the gradients between `scale_loss` and `step` are the model's fp16 ones (2 bytes
-    /// per parameter): `step` unscales each into fp32 a slice of at most 64 Ki elements at a
-    /// time, updates that slice of the master and rounds it into the model, so with Adam the
-    /// peak is 16 bytes per parameter (2 fp16 weight + 4 master + 2 fp16 grad + 8 state) plus
-    /// at most 16 KiB (Apex held 20: it kept fp16 and fp32 gradients).
+    /// per parameter): `step` unscales each into fp32 a slice of at most 256 Ki elements at a
+    /// time (in storage whose values are spent), updates that slice of the master and rounds it
+    /// into the model, so with Adam the peak is 16 bytes per parameter (2 fp16 weight, 4 master,
+    /// 2 fp16 grad, 8 state) plus the update rule's own temporaries for one slice (none for
+    /// fused Adam; Apex held 20 bytes: it kept fp16 and fp32 gradients).
     pub fn memory(&self) -> MemoryReport {
         let mut r = MemoryReport::default();
         for (e, st) in self.entries.iter().zip(self.inner.states()) {
@@ -335,7 +339,9 @@ impl AmpOptimizer {
             update(self)
         };
         if let Err(e) = result {
-            // A slice-wise step may have used spent fp16 gradients as scratch: drop them all.
+            // A slice-wise step uses spent gradients and not-yet-rounded weights as scratch:
+            // set the model back to the (rounded) masters and drop the gradients.
+            copy_masters_to_model(&self.entries)?;
             self.zero_grad()?;
             return Err(e);
         }
@@ -438,7 +444,7 @@ impl AmpOptimizer {
 
     /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
     /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
-    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor, scale: f64) -> Result<()> {
         // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
         // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
         let slice_wise = SLICE_MAX.load(Ordering::Relaxed) > 0
@@ -482,7 +488,7 @@ impl AmpOptimizer {
             let one = Tensor::f_ones([1], (Kind::Float, found_inf.device())).ctx("checking fp16 gradients")?;
             unscale_(&half, found_inf, &one)?;
             *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? =
-                Some(HalfGrads { inv_scale: inv_scale.shallow_clone() });
+                Some(HalfGrads { inv_scale: inv_scale.shallow_clone(), scale });
         }
         let _no_grad = tch::no_grad_guard();
         for (i, new_grad) in targets {
@@ -515,69 +521,103 @@ impl AmpOptimizer {
     }
 
     /// The slice-wise O2 update (see [`HalfGrads`]): for each parameter with a master and an
-    /// fp16 gradient, smallest first, each slice of the gradient is unscaled into fp32
-    /// (`fp16 -> fp32` times `inv_scale`, what the full-size path computes), the master slice
-    /// updated from it and rounded into the model. The fp32 slice lives in fp16 gradient
-    /// storage already consumed (this parameter's or a previous one's), or, for the first
-    /// small parameters, in a fresh buffer of at most [`SLICE_MIN`] elements.
+    /// fp16 gradient, each slice of the gradient is unscaled into fp32 (`fp16 -> fp32` times
+    /// `inv_scale`, what the full-size path computes), the master slice updated from it and
+    /// rounded into the model. The fp32 slice needs no new memory: it lives in storage whose
+    /// values are spent, seen as fp32: the part of the model's fp16 weight not yet rounded back
+    /// (its old values are never read again), the part of this fp16 gradient already consumed,
+    /// or a previous parameter's consumed gradient. Parameters go largest first: the largest
+    /// takes about three slices (half of it, a quarter, a quarter; more when [`SLICE_MAX`] caps
+    /// them), every later one a single slice up to [`SLICE_MAX`]. Only a parameter under 128
+    /// elements coming first would use a fresh buffer (at most [`SLICE_MIN`] elements).
     fn step_from_half_grads(&mut self, half: &HalfGrads) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        let slice_max = SLICE_MAX.load(Ordering::Relaxed).max(1);
+        let slice_max = SLICE_MAX.load(Ordering::Relaxed).max(SLICE_ALIGN);
+        // Largest first: its spent gradient then holds every smaller parameter's slice whole.
         let mut order: Vec<usize> = (0..self.entries.len())
             .filter(|&i| self.entries[i].master().is_some() && self.entries[i].model().grad().defined())
             .collect();
-        order.sort_by_key(|&i| self.entries[i].model().numel());
+        order.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].model().numel()));
         // fp32 view of the largest fp16 gradient consumed so far: scratch for later slices.
         let mut spent: Option<Tensor> = None;
+        let as_fp32 = |t: &Tensor, n: i64| t.f_narrow(0, 0, n - n % 2).and_then(|t| t.f_view_dtype(Kind::Float));
         for i in order {
             let e = &self.entries[i];
             let (model, master) =
                 (e.model().shallow_clone(), e.master().map(Tensor::shallow_clone).unwrap_or_default());
             let grad = model.grad().f_view([-1]).ctx("an fp16 gradient")?;
             let n = grad.numel() as i64;
-            // This gradient's consumed prefix, seen as fp32 (an even number of fp16 elements).
-            let own = grad.f_narrow(0, 0, n - n % 2).and_then(|g| g.f_view_dtype(Kind::Float)).ctx("scratch")?;
             let (model_flat, master_flat) = (model.f_view([-1]).ctx("a weight")?, master.f_view([-1]).ctx("a master")?);
+            // The gradient and the weight seen as fp32 (over an even number of fp16 elements),
+            // made when first needed (a parameter that fits another's spent gradient needs
+            // neither).
+            let mut own: Option<Tensor> = None;
+            let mut weight: Option<Tensor> = None;
             let mut start = 0i64;
             let mut next = || -> Result<Option<GradSlice>> {
                 if start >= n {
                     return Ok(None);
                 }
+                // fp32 capacity of each spent region: another gradient; this gradient's consumed
+                // prefix (fp16 elements [0, start) hold start/2 floats); this weight from
+                // element `start` on (not rounded back yet: floats [start/2, n/2)).
+                let spent_cap = spent.as_ref().map_or(0, |t| t.numel() as i64);
+                let own_cap = start / 2;
+                let weight_cap = (n - n % 2) / 2 - start / 2;
                 // Slices start at multiples of SLICE_ALIGN elements, as the kernels' own
                 // vector blocks and thread ranges do, so each element takes the same code path
                 // as in a whole-tensor update.
-                let spent_cap = spent.as_ref().map_or(0, |t| t.numel() as i64);
-                let own_cap = start / 2;
-                let cap = spent_cap.max(own_cap).max(SLICE_MIN).min(slice_max);
-                let cap = (cap - cap % SLICE_ALIGN).max(SLICE_ALIGN);
-                let len = (n - start).min(cap);
-                let scratch = if spent_cap >= len {
+                let align = |c: i64| c - c % SLICE_ALIGN;
+                let cap = align(spent_cap.max(own_cap).max(weight_cap).min(slice_max));
+                let len = if cap >= SLICE_ALIGN { (n - start).min(cap) } else { (n - start).min(SLICE_MIN) };
+                let view = |slot: &mut Option<Tensor>, of: &Tensor| -> Result<Tensor> {
+                    if slot.is_none() {
+                        *slot = Some(as_fp32(of, n).ctx("scratch")?);
+                    }
+                    Ok(slot.as_ref().map(Tensor::shallow_clone).unwrap_or_default())
+                };
+                let scratch = if len <= spent_cap {
                     spent.as_ref().map(|t| t.f_narrow(0, 0, len)).transpose().ctx("scratch")?.unwrap_or_default()
-                } else if own_cap >= len {
-                    own.f_narrow(0, 0, len).ctx("scratch")?
+                } else if len <= weight_cap {
+                    // Overwritten by this slice's rounded master right after its update.
+                    view(&mut weight, &model_flat)?.f_narrow(0, start / 2, len).ctx("scratch")?
+                } else if len <= own_cap {
+                    view(&mut own, &grad)?.f_narrow(0, 0, len).ctx("scratch")?
                 } else {
                     Tensor::f_empty([len], (Kind::Float, grad.device())).ctx("a master-gradient slice")?
                 };
                 // fp16 -> fp32, then times 1/scale in place: what the full-size path computes
                 // (a mixed-dtype multiply would make an fp32 temporary of the slice).
                 let mut g = scratch;
-                let _ =
-                    g.f_copy_(&grad.f_narrow(0, start, len).ctx("an fp16 gradient slice")?).ctx("a gradient slice")?;
-                let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
+                let source =
+                    if len == n { grad.shallow_clone() } else { grad.f_narrow(0, start, len).ctx("a slice")? };
+                g.f_copy_(&source).ctx("a gradient slice")?;
+                if half.scale != 1.0 {
+                    let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
+                }
                 let out = GradSlice { start, grad: g };
                 start += len;
                 Ok(Some(out))
             };
             let mut done = |at: i64, len: i64| -> Result<()> {
-                let mut w = model_flat.f_narrow(0, at, len).ctx("a weight slice")?;
-                w.f_copy_(&master_flat.f_narrow(0, at, len).ctx("a master slice")?)
-                    .ctx("copying master weights into the model")
-                    .map(|_| ())
+                let (mut w, m) = if len == n {
+                    (model_flat.shallow_clone(), master_flat.shallow_clone())
+                } else {
+                    (
+                        model_flat.f_narrow(0, at, len).ctx("a weight slice")?,
+                        master_flat.f_narrow(0, at, len).ctx("a master slice")?,
+                    )
+                };
+                w.f_copy_(&m).ctx("copying master weights into the model").map(|_| ())
             };
             self.inner.update_in_slices(i, &mut next, &mut done)?;
             clear_grad(&model)?;
-            if spent.as_ref().is_none_or(|t| t.numel() < own.numel()) {
-                spent = Some(own);
+            // This gradient is spent now: scratch for the next (smaller) parameters.
+            if n / 2 > spent.as_ref().map_or(0, |t| t.numel() as i64) {
+                spent = Some(match own.take() {
+                    Some(t) => t,
+                    None => as_fp32(&grad, n).ctx("scratch")?,
+                });
             }
         }
         Ok(())

@@ -531,15 +531,26 @@ impl Optimizer {
         let st = &mut self.state[i];
         st.step += 1;
         let existing: Vec<&'static str> = st.buffers.keys().copied().collect();
-        let flat = |t: &Tensor, start: i64, len: i64| -> Result<Tensor> {
-            t.f_view([-1]).and_then(|v| v.f_narrow(0, start, len)).ctx("a parameter slice")
-        };
+        let flat = |t: &Tensor| t.f_view([-1]).ctx("a parameter slice");
+        let param_flat = flat(&param)?;
+        let state_flat: Vec<(&'static str, Tensor)> =
+            existing.iter().map(|name| Ok((*name, flat(&st.buffers[name])?))).collect::<Result<_>>()?;
+        let adam_step =
+            Tensor::f_scalar_tensor(torch_step_value(st.step), (Kind::Float, param.device())).ctx("Adam step")?;
+        let numel = param_flat.numel() as i64;
         while let Some(GradSlice { start, grad }) = next()? {
             let len = grad.numel() as i64;
-            let p = flat(&param, start, len)?;
+            let slice = |t: &Tensor| {
+                if len == numel {
+                    Ok(t.shallow_clone())
+                } else {
+                    t.f_narrow(0, start, len).ctx("a parameter slice")
+                }
+            };
+            let p = slice(&param_flat)?;
             let mut view = ParamState { step: st.step, buffers: BTreeMap::new() };
-            for name in &existing {
-                view.buffers.insert(*name, flat(&st.buffers[name], start, len)?);
+            for (name, t) in &state_flat {
+                view.buffers.insert(*name, slice(t)?);
             }
             let OptimizerConfig { algorithm, maximize, fused } = config;
             match algorithm {
@@ -560,8 +571,7 @@ impl Optimizer {
                     if amsgrad {
                         batch.max_exp_avg_sqs.push(view.buffer("max_exp_avg_sq", &p)?);
                     }
-                    let step = torch_step_value(st.step);
-                    batch.steps.push(Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?);
+                    batch.steps.push(adam_step.shallow_clone());
                     batch.params.push(p.shallow_clone());
                     batch.grads.push(grad.shallow_clone());
                     batch.run(algorithm, lr, maximize)?;
@@ -575,7 +585,10 @@ impl Optimizer {
                 if !st.buffers.contains_key(name) {
                     st.buffers.insert(name, param.f_empty_like().ctx("allocating optimizer state")?);
                 }
-                flat(&st.buffers[name], start, len)?.f_copy_(&slice).ctx("optimizer state slice")?;
+                flat(&st.buffers[name])?
+                    .f_narrow(0, start, len)
+                    .and_then(|mut t| t.f_copy_(&slice))
+                    .ctx("optimizer state slice")?;
             }
             done(start, len)?;
         }
