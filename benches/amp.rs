@@ -389,9 +389,6 @@ impl Config {
                 OptLevel::O1 => c.low_precision_dtype(k),
                 _ => c.cast_model_type(Some(k)),
             };
-            if k == Kind::Half && level != OptLevel::O0 {
-                c = c.loss_scale(tch_amp::LossScale::Dynamic);
-            }
         }
         Some(c)
     }
@@ -583,6 +580,8 @@ struct Bench {
     python: Option<Python>,
     /// The slice setting a full-size round replaced.
     saved_slice: std::cell::Cell<i64>,
+    /// Host reads (syncs on CUDA) tch-amp made in each step since the last `take`.
+    syncs: std::cell::RefCell<Vec<f64>>,
 }
 
 impl Bench {
@@ -664,6 +663,7 @@ impl Bench {
             }
             Runner::Amp { session, .. } => {
                 let s = session.as_mut().ok_or_else(|| anyhow!("round not begun"))?;
+                let reads_before = diagnostics::host_reads();
                 let t = now();
                 s.opt.zero_grad()?;
                 let t_zero = ms_since(t);
@@ -685,6 +685,8 @@ impl Bench {
                 s.opt.step()?;
                 sync(d);
                 let t_step = ms_since(t);
+                let syncs = diagnostics::host_reads() - reads_before;
+                self.syncs.borrow_mut().push(syncs as f64);
                 if let Some(p) = phases {
                     record(
                         p,
@@ -715,7 +717,11 @@ impl Bench {
     ) -> Result<Vec<f64>> {
         if let Runner::Torch { workload, mode } = r {
             let py = self.python.as_mut().ok_or_else(|| anyhow!("PyTorch server not running"))?;
-            return py.run(*workload, mode, steps);
+            let (ms, syncs) = py.run(*workload, mode, steps)?;
+            if let Some(n) = syncs {
+                self.syncs.borrow_mut().push(n);
+            }
+            return Ok(ms);
         }
         self.begin_round(r)?;
         let result = (|| {
@@ -794,16 +800,19 @@ impl Python {
         Ok(Some(Self { child, stdin, stdout, version }))
     }
 
-    fn run(&mut self, w: Workload, mode: &str, steps: usize) -> Result<Vec<f64>> {
+    /// Per-step milliseconds, and the host syncs per step PyTorch's sync debug mode counted
+    /// (CUDA only).
+    fn run(&mut self, w: Workload, mode: &str, steps: usize) -> Result<(Vec<f64>, Option<f64>)> {
         writeln!(self.stdin, "run {} {mode} {steps}", w.name())?;
         self.stdin.flush()?;
         let mut line = String::new();
         self.stdout.read_line(&mut line)?;
         let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("bench_torch.py: {line:?}"))?;
-        v["ms"]
+        let ms = v["ms"]
             .as_array()
             .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
-            .ok_or_else(|| anyhow!("bench_torch.py: no times in {line:?}"))
+            .ok_or_else(|| anyhow!("bench_torch.py: no times in {line:?}"))?;
+        Ok((ms, v["syncs"].as_f64()))
     }
 }
 
@@ -877,11 +886,16 @@ fn gemm_gflops(device: Device, n: i64) -> f64 {
 // Memory
 
 /// Peak bytes per parameter from the end of backward to the end of `step` (the unscale, the
-/// master gradients and the update), measured with the counting allocator: everything the
-/// process holds then except the batch.
-fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor) -> Result<Option<(f64, f64, f64)>> {
+/// master gradients and the update), measured with the counting allocator: everything
+/// allocated since the model was made (`base`: the bytes held before) and still held then.
+fn measure_memory(
+    bench: &Bench,
+    r: &mut Runner,
+    x: &Tensor,
+    y: &Tensor,
+    base: i64,
+) -> Result<Option<(f64, f64, f64)>> {
     let Runner::Amp { .. } = r else { return Ok(None) };
-    diagnostics::track_cpu_memory()?;
     bench.begin_round(r)?;
     let out = (|| {
         let Runner::Amp { session: Some(s), .. } = r else { bail!("round not begun") };
@@ -900,8 +914,8 @@ fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor) -> Resu
             let _ = diagnostics::reset_cpu_memory_peak();
         })?;
         let state = s.opt.memory();
-        // Everything held counts except the batch (the caller's).
-        let other = [x, y].iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum::<usize>() as i64;
+        // Everything allocated since this model was made counts (the batch is older).
+        let other = base;
         s.opt.step()?;
         let after = diagnostics::cpu_memory()?;
         let params = state.params.max(1) as f64;
@@ -927,6 +941,9 @@ struct RowOut {
     memory_peak_bytes_per_param: Option<f64>,
     memory_at_step_bytes_per_param: Option<f64>,
     memory_between_steps_bytes_per_param: Option<f64>,
+    /// tch-amp rows: host reads of device values per step (syncs on CUDA); PyTorch rows on
+    /// CUDA: syncs its sync debug mode counted.
+    host_syncs_per_step: Option<f64>,
 }
 
 #[derive(serde::Serialize)]
@@ -1000,7 +1017,7 @@ fn main() -> Result<()> {
         python.as_ref().map_or("(not run)".to_string(), |p| p.version.clone())
     );
     println!(
-        "- optimizer: {:?}{}; fp16 rows use dynamic loss scaling, bf16 rows none",
+        "- optimizer: {:?}{}; loss scaling as each opt level defaults to (O1/O2 fp16: dynamic; O3 and bf16: static 1)",
         args.optimizer,
         if args.optimizer == Opt::Adam { format!(" ({:?} kernel)", args.adam_kernel) } else { String::new() }
     );
@@ -1011,7 +1028,8 @@ fn main() -> Result<()> {
         args.warmup,
         if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
     );
-    let mut bench = Bench { args, device, python, saved_slice: std::cell::Cell::new(0) };
+    let mut bench =
+        Bench { args, device, python, saved_slice: std::cell::Cell::new(0), syncs: std::cell::RefCell::new(Vec::new()) };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
     for &w in &bench.args.workloads.clone() {
@@ -1031,12 +1049,15 @@ fn main() -> Result<()> {
             .collect();
         let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
         let mut phases: Vec<Phases> = vec![Phases::new(); runners.len()];
+        let mut syncs: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
         for round in 0..bench.args.rounds {
             gemm_rates.push(gemm_gflops(device, bench.args.gemm_size));
             for (i, r) in runners.iter_mut().enumerate() {
                 let want = bench.args.phases.then_some(&mut phases[i]);
+                bench.syncs.borrow_mut().clear();
                 let ms = bench.round(r, &x, &y, steps[i], want)?;
                 per_round[i].push(median(&ms));
+                syncs[i].extend(bench.syncs.borrow().iter().copied());
             }
             eprintln!("{}: round {}/{} done", w.name(), round + 1, bench.args.rounds);
         }
@@ -1049,8 +1070,16 @@ fn main() -> Result<()> {
                 |base: usize| -> Vec<f64> { per_round[i].iter().zip(&per_round[base]).map(|(a, b)| a / b).collect() };
             let ms = Spread::of(&per_round[i]);
             let gflops = flops / (ms.median / 1e3) / 1e9;
-            let memory =
-                if bench.args.memory && !cuda { measure_memory(&bench, &mut runners[i], &x, &y)? } else { None };
+            let memory = if bench.args.memory && !cuda && matches!(c, Config::Amp { .. }) {
+                // A fresh model and optimizer, made after the counter is installed, so that
+                // the counter sees all of their tensors.
+                diagnostics::track_cpu_memory()?;
+                let base = diagnostics::cpu_memory()?.current;
+                let mut fresh = bench.make_runner(w, *c)?;
+                measure_memory(&bench, &mut fresh, &x, &y, base)?
+            } else {
+                None
+            };
             rows.push(RowOut {
                 label: c.label(cuda),
                 ms,
@@ -1063,6 +1092,7 @@ fn main() -> Result<()> {
                 memory_peak_bytes_per_param: memory.map(|m| m.0),
                 memory_at_step_bytes_per_param: memory.map(|m| m.1),
                 memory_between_steps_bytes_per_param: memory.map(|m| m.2),
+                host_syncs_per_step: (!syncs[i].is_empty()).then(|| median(&syncs[i])),
             });
         }
         print_workload(w, flops, gemm, &rows, &bench.args);
@@ -1099,6 +1129,9 @@ fn print_workload(w: Workload, flops: f64, gemm: f64, rows: &[RowOut], args: &Ar
         let mut notes = Vec::new();
         if r.steps_per_round == 1 && args.steps > 1 {
             notes.push("slow: 1 timed step per round".to_string());
+        }
+        if let Some(n) = r.host_syncs_per_step {
+            notes.push(format!("{n} host sync(s)/step"));
         }
         if let (Some(peak), Some(at)) = (r.memory_peak_bytes_per_param, r.memory_at_step_bytes_per_param) {
             notes.push(format!("peak {peak:.2} B/param measured ({at:.0} counted at step)"));

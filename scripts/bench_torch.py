@@ -196,14 +196,27 @@ def serve():
         c.step()  # untimed: settles caches after the other configurations ran
         sync()
         clock = time.thread_time if a.clock == "cpu" else time.perf_counter
-        ms = []
+        ms, syncs = [], []
         for _ in range(int(steps)):
             t = clock()
-            c.step()
+            if device.type == "cuda":
+                # Count the step's host syncs with PyTorch's sync debug mode (warnings).
+                import warnings
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode(1)
+                    c.step()
+                    torch.cuda.set_sync_debug_mode(0)
+                syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+            else:
+                c.step()
             sync()
             ms.append((clock() - t) * 1e3)
         set_tf32(False)
-        print(json.dumps({"ms": ms}), flush=True)
+        out = {"ms": ms}
+        if syncs:
+            out["syncs"] = sorted(syncs)[len(syncs) // 2]
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -440,7 +440,11 @@ impl Amp {
         for o in optimizers.iter_mut() {
             o.end_backward(&found_inf, &inv_scale, scale)?;
         }
-        Ok(dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
+        if !dynamic {
+            return Ok(false);
+        }
+        crate::diagnostics::note_host_read();
+        Ok(found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
 
     /// Updates the scaler of `loss_id`; on a skip, every optimizer skips its next step.

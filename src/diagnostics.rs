@@ -173,3 +173,19 @@ pub fn set_allow_tf32(on: bool) -> Result<()> {
 pub fn set_master_grad_slice(elements: i64) -> i64 {
     crate::optim::set_master_grad_slice(elements)
 }
+
+static HOST_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts one read of a tensor value into host memory by tch-amp (on CUDA: a host sync).
+pub(crate) fn note_host_read() {
+    HOST_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many times tch-amp has read a tensor value into host memory in this process (every
+/// thread): the overflow flag of a dynamic `scale_loss`, the norm `clip_grad_norm` returns,
+/// the finiteness check of each tensor of an optimizer record being loaded. On CUDA each is a
+/// host sync; a training step with dynamic loss scaling makes exactly one, with a static
+/// scale none. The benchmark reads the difference around each step.
+pub fn host_reads() -> u64 {
+    HOST_READS.load(std::sync::atomic::Ordering::Relaxed)
+}

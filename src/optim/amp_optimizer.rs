@@ -394,6 +394,7 @@ impl AmpOptimizer {
             let mut g = g.shallow_clone();
             let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
         }
+        crate::diagnostics::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")
     }
 
@@ -762,6 +763,7 @@ fn staged_tensor(what: &str, v: Tensor, like: &Tensor, kind: Kind) -> Result<Ten
     if v.size() != like.size() || v.kind() != kind {
         return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {:?}", v.kind(), v.size(), like.size())));
     }
+    crate::diagnostics::note_host_read();
     let finite = v.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checking a state")?;
     if finite == 0 {
         return Err(mismatch(format!("{what}: holds inf or NaN")));
