@@ -97,6 +97,7 @@ pub mod diagnostics;
 pub mod distributed;
 mod dtype;
 mod error;
+pub mod fp16_utils;
 mod model;
 mod optim;
 mod scaling;
