@@ -11,6 +11,7 @@
 //! use tch::{Device, Kind, Tensor};
 //! use tch_amp::fp16_utils::{network_to_half, DynamicLossArgs, Fp16Optimizer, Fp16OptimizerOptions};
 //! # fn main() -> Result<(), tch_amp::AmpError> {
+//! tch::manual_seed(0);
 //! let vs = nn::VarStore::new(Device::Cpu);
 //! let net = nn::seq()
 //!     .add(nn::linear(vs.root() / "fc1", 16, 32, Default::default()))
@@ -19,14 +20,14 @@
 //! // Apex: model = network_to_half(model)
 //! let model = network_to_half(&vs, net)?;
 //! // Apex: optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-//! //           dynamic_loss_scale=True, dynamic_loss_args={'scale_window': 500})
+//! //     dynamic_loss_scale=True, dynamic_loss_args={'init_scale': 1024, 'scale_window': 500})
 //! let mut optimizer = Fp16Optimizer::new(
 //!     &vs,
 //!     nn::Sgd { momentum: 0.9, ..Default::default() },
 //!     0.01,
 //!     Fp16OptimizerOptions::default()
 //!         .dynamic_loss_scale(true)
-//!         .dynamic_loss_args(DynamicLossArgs::default().scale_window(500))
+//!         .dynamic_loss_args(DynamicLossArgs::default().init_scale(1024.0).scale_window(500))
 //!         .verbose(false),
 //! )?;
 //! for _ in 0..3 {
@@ -40,7 +41,7 @@
 //!     println!("stepped {stepped}, loss scale {}", optimizer.loss_scale());
 //! }
 //! assert_eq!(vs.variables()["fc1.weight"].kind(), Kind::Half);
-//! assert_eq!(optimizer.loss_scale(), 65536.0);
+//! assert_eq!(optimizer.loss_scale(), 1024.0); // no overflow, fewer than 500 passes
 //! let state = optimizer.state_dict()?; // Apex's keys: loss_scaler, overflow, fp32_from_fp16, ...
 //! optimizer.load_state_dict(state)?;
 //! # Ok(())
