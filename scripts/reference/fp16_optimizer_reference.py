@@ -29,8 +29,9 @@ The model (small enough that every kernel runs single-threaded, so the values do
 the machine): fc.weight fp16 [4, 8], fc.bias fp16 [4], gain fp32 [4] (created in that order);
 out = ((x.half()[:, None, :] * w).sum(-1) + b).float() * gain; loss = mse(out, y).
 Steps follow a plan (see PLAN): a normal step, an injected overflow (the targets multiplied by
-1e4, so that the scaled fp16 gradients overflow), and two losses per step with
-update_master_grads=False followed by one update_master_grads().
+1e4, so that the scaled fp16 gradients overflow), two losses per step with
+update_master_grads=False followed by one update_master_grads(), and a step whose forward
+leaves the bias out.
 
 The fixture holds, per case: the initial parameters, every step's inputs, and after every step
 the loss scale before and after, the overflow flag, the clip norm (-1 on overflow), whether
@@ -48,8 +49,10 @@ torch.set_num_threads(1)
 STEPS = 12
 N = 6
 # per step: "one" (one loss), "overflow" (one loss, targets * 1e4), "two" (two half-batch
-# losses with update_master_grads=False, then update_master_grads())
-PLAN = ["one", "one", "one", "overflow", "one", "two", "one", "one", "overflow", "one", "two", "one"]
+# losses with update_master_grads=False, then update_master_grads()), "nobias" (the bias left
+# out of the forward: its zeroed fp16 gradient still reaches its master, so momentum and weight
+# decay move it, as in Apex)
+PLAN = ["one", "one", "one", "overflow", "one", "two", "one", "nobias", "overflow", "one", "two", "one"]
 CASES = [
     dict(name="sgd_dynamic", optimizer="SGD", lr=0.05, momentum=0.9, weight_decay=1e-3,
          dynamic=True, init_scale=2.0**14, scale_window=3, max_loss_scale=2.0**24, min_loss_scale=None,
@@ -176,8 +179,10 @@ def run(c, out):
                                weight_decay=c["weight_decay"])
     fo = RefFP16Optimizer(opt, c)
 
-    def forward(x, y):
-        h = (x.half()[:, None, :] * w[None]).sum(-1) + b
+    def forward(x, y, bias=True):
+        h = (x.half()[:, None, :] * w[None]).sum(-1)
+        if bias:
+            h = h + b
         return torch.nn.functional.mse_loss(h.float() * gain, y)
 
     plan = PLAN if c["dynamic"] else STATIC_PLAN
@@ -196,7 +201,7 @@ def run(c, out):
             fo.backward(forward(x[N // 2:], y[N // 2:]), update_master_grads=False)
             fo.update_master_grads()
         else:
-            fo.backward(forward(x, y))
+            fo.backward(forward(x, y, bias=plan[s] != "nobias"))
         norm = fo.clip_master_grads(c["max_norm"])
         stepped = fo.step()
         rows["scale_after"].append(fo.scaler.scale)

@@ -59,9 +59,9 @@
 //! - `step()` returns whether it stepped and refuses to run without a fresh backward
 //!   ([`crate::AmpError::NoGradients`]) or after `backward_with(loss, false)` without
 //!   `update_master_grads()` ([`crate::AmpError::MasterGradsNotUpdated`]); it releases the
-//!   master gradients after the update (Apex kept them until `zero_grad`; this matters only
-//!   for an fp16 parameter that gets no gradient in a later step: Apex stepped its master with
-//!   the zeroed gradient, tch-amp leaves it alone).
+//!   master gradients after the update (Apex kept them until `zero_grad`). The values stepped
+//!   are the same: every fp16 gradient that exists (a zeroed one too) is copied to its master
+//!   at each `update_master_grads`, and one never made leaves its master unstepped in both.
 //! - `step(closure)` and `backward(retain_graph=True)` are not offered.
 //! - The overflow check reads each gradient for inf/NaN (Apex's fused kernel; its Python
 //!   fallback summed each gradient, which also flags a finite fp32 gradient whose sum

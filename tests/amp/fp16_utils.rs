@@ -6,7 +6,9 @@
 //!   decay under a dynamic scale with window 3; Adam with init_scale 2^32 capped at
 //!   max_loss_scale 2^16 and min_loss_scale 2^10; SGD under a static scale of 128), 12 steps
 //!   each with injected overflows (targets * 1e4) and two-loss steps
-//!   (`backward_with(.., false)` twice, then `update_master_grads()`). Every step's scale
+//!   (`backward_with(.., false)` twice, then `update_master_grads()`) and a step that leaves the
+//!   bias out of the forward (its zeroed gradient still moves it through momentum and weight
+//!   decay, as in Apex). Every step's scale
 //!   before and after, overflow flag, clip norm (-1 on overflow), stepped flag, fp32 masters
 //!   and fp32 parameter, and fp16 parameters must equal the reference bit for bit.
 //!   Regenerate with `$TCH_AMP_PYTHON scripts/reference/fp16_optimizer_reference.py
@@ -57,9 +59,16 @@ fn model(fx: &Fixture, case: &str) -> VarStore {
 }
 
 fn forward(vs: &VarStore, x: &Tensor, y: &Tensor) -> Tensor {
+    forward_with(vs, x, y, true)
+}
+
+fn forward_with(vs: &VarStore, x: &Tensor, y: &Tensor, bias: bool) -> Tensor {
     let v = vs.variables();
     let (w, b, gain) = (&v["fc.weight"], &v["fc.bias"], &v["gain"]);
-    let h = (x.to_kind(Kind::Half).unsqueeze(1) * w.unsqueeze(0)).sum_dim_intlist(-1, false, None::<Kind>) + b;
+    let mut h = (x.to_kind(Kind::Half).unsqueeze(1) * w.unsqueeze(0)).sum_dim_intlist(-1, false, None::<Kind>);
+    if bias {
+        h = h + b;
+    }
     (h.to_kind(Kind::Float) * gain).mse_loss(y, tch::Reduction::Mean)
 }
 
@@ -130,7 +139,7 @@ fn train_step(vs: &VarStore, opt: &mut Fp16Optimizer, fx: &Fixture, case: &Value
         opt.backward_with(&forward(vs, &x.narrow(0, n / 2, n / 2), &y.narrow(0, n / 2, n / 2)), false).unwrap();
         opt.update_master_grads().unwrap();
     } else {
-        opt.backward(&forward(vs, &x, &y)).unwrap();
+        opt.backward(&forward_with(vs, &x, &y, kind != "nobias")).unwrap();
     }
     let norm = opt.clip_master_grads(case["max_norm"].as_f64().unwrap()).unwrap();
     let stepped = opt.step().unwrap();
@@ -593,4 +602,34 @@ fn legacy_dynamic_loss_scaler_follows_apex() {
     assert_eq!(st.loss_scale(), 128.0);
     assert!(!st.has_overflow(&[p]));
     assert!(StaticLossScaler::new(f64::NAN).is_err());
+}
+
+#[test]
+fn fp16_optimizer_orders_by_param_group_then_creation() {
+    // torch's param_groups order: group 0's parameters (as created), then group 1's.
+    let vs = VarStore::new(Device::Cpu);
+    let g1 = vs.root().set_group(1);
+    let _late = g1.var_copy("z_first_made", &Tensor::ones([2], (Kind::Float, Device::Cpu)));
+    let g0 = vs.root().set_group(0);
+    let _w = g0.var_copy("w", &Tensor::ones([3], (Kind::Float, Device::Cpu)));
+    let _a = g0.var_copy("a", &Tensor::ones([1], (Kind::Float, Device::Cpu)));
+    convert_network(&vs, Kind::Half).unwrap();
+    let extra = vs.root().set_group(1).var_copy("fp32", &Tensor::ones([1], (Kind::Float, Device::Cpu)));
+    let mut opt = Fp16Optimizer::new(&vs, nn::Sgd::default(), 0.5, Fp16OptimizerOptions::default()).unwrap();
+    assert_eq!(opt.param_names(), ["w", "a", "z_first_made", "fp32"]);
+    let state = opt.state_dict().unwrap();
+    let sizes: Vec<Vec<Vec<i64>>> = state.fp32_from_fp16.iter().map(|g| g.iter().map(Tensor::size).collect()).collect();
+    assert_eq!(sizes, [vec![vec![3], vec![1]], vec![vec![2]]], "masters per group, fp32 variables excluded");
+    // per-group learning rates reach the masters: lr 0.5 in group 0, 0.25 in group 1
+    opt.set_lr_group(1, 0.25).unwrap();
+    let v = vs.variables();
+    let loss = v["w"].sum(Kind::Float) + v["z_first_made"].sum(Kind::Float) + extra.sum(Kind::Float);
+    opt.backward(&loss).unwrap();
+    assert!(opt.step().unwrap());
+    assert_eq!(v["w"].double_value(&[0]), 0.5);
+    assert_eq!(v["z_first_made"].double_value(&[0]), 0.75);
+    assert_eq!(extra.double_value(&[0]), 0.75);
+    assert_eq!(v["a"].double_value(&[0]), 1.0, "no gradient: not stepped");
+    let grads = opt.inspect_master_grad_data().unwrap();
+    assert_eq!(grads.len(), 2);
 }
