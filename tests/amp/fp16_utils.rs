@@ -67,7 +67,7 @@ fn forward_with(vs: &VarStore, x: &Tensor, y: &Tensor, bias: bool) -> Tensor {
     let (w, b, gain) = (&v["fc.weight"], &v["fc.bias"], &v["gain"]);
     let mut h = (x.to_kind(Kind::Half).unsqueeze(1) * w.unsqueeze(0)).sum_dim_intlist(-1, false, None::<Kind>);
     if bias {
-        h = h + b;
+        h = &h + b;
     }
     (h.to_kind(Kind::Float) * gain).mse_loss(y, tch::Reduction::Mean)
 }
