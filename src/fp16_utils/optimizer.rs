@@ -644,17 +644,50 @@ impl Fp16Optimizer {
             fp32_from_fp16.push(group);
         }
         Ok(Fp16OptimizerState {
-            loss_scaler: LegacyScalerState {
-                loss_scale: self.scaler.loss_scale(),
-                unskipped: self.scaler.unskipped(),
-                ..self.scaler_cfg
-            },
+            loss_scaler: self.current_scaler_state(),
             dynamic_loss_scale: self.scaler_cfg.dynamic,
             overflow: self.overflow,
             first_closure_call_this_step: self.first_closure_call_this_step,
             optimizer_state_dict: copied(self.opt.to_record())?,
             fp32_from_fp16,
         })
+    }
+
+    /// Writes the model's variables, this optimizer's state (fp32 masters included) and the
+    /// scale to one safetensors file with [`crate::save_checkpoint`] (the port of Apex's
+    /// `torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict()}, path)`).
+    /// The scaler's options and the `overflow` flag are not saved: they come from the
+    /// constructor, and a checkpoint is written between steps.
+    ///
+    /// # Errors
+    /// As [`crate::save_checkpoint`].
+    pub fn save_checkpoint(&self, path: impl AsRef<std::path::Path>, vs: &VarStore) -> Result<()> {
+        let amp = scaler_amp(&self.current_scaler_state())?;
+        crate::save_checkpoint(path, vs, &[&self.opt], &amp)
+    }
+
+    /// Reads a file written by [`Self::save_checkpoint`] into the model's variables, this
+    /// optimizer (built the same way) and the scale, with [`crate::load_checkpoint`]: checked
+    /// in full first, nothing changes on error; gradients are cleared.
+    ///
+    /// # Errors
+    /// As [`crate::load_checkpoint`].
+    pub fn load_checkpoint(&mut self, path: impl AsRef<std::path::Path>, vs: &VarStore) -> Result<()> {
+        let mut amp = scaler_amp(&self.current_scaler_state())?;
+        crate::load_checkpoint(path, vs, &mut [&mut self.opt], &mut amp)?;
+        self.scaler = amp.scaler(0)?.clone();
+        self.overflow = false;
+        self.pending_update = false;
+        self.fresh = false;
+        Ok(())
+    }
+
+    fn current_scaler_state(&self) -> LegacyScalerState {
+        LegacyScalerState {
+            loss_scale: self.scaler.loss_scale(),
+            unskipped: self.scaler.unskipped(),
+            ..self.scaler_cfg
+        }
     }
 
     /// Apex's `load_state_dict(state)`: the scaler (its options too, as Apex replaced the

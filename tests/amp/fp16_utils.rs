@@ -633,3 +633,35 @@ fn fp16_optimizer_orders_by_param_group_then_creation() {
     let grads = opt.inspect_master_grad_data().unwrap();
     assert_eq!(grads.len(), 2);
 }
+
+#[test]
+fn fp16_optimizer_checkpoint_file_resumes_bit_for_bit() {
+    let fx = fixture();
+    let case = cases(&fx).into_iter().find(|c| c["name"] == "sgd_dynamic").unwrap();
+    let plan = plan(&fx, &case);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fp16_optimizer.safetensors");
+    let vs = model(&fx, "sgd_dynamic");
+    let mut opt = optimizer(&vs, &case);
+    for (s, kind) in plan.iter().enumerate().take(5) {
+        train_step(&vs, &mut opt, &fx, &case, s, kind);
+    }
+    opt.save_checkpoint(&path, &vs).unwrap();
+    // A fresh model (initial weights) and optimizer, resumed from the file: the reference's
+    // steps 5.. follow bit for bit (scale, unskipped count, momentum, masters).
+    let vs2 = model(&fx, "sgd_dynamic");
+    let mut opt2 = optimizer(&vs2, &case);
+    opt2.load_checkpoint(&path, &vs2).unwrap();
+    assert_eq!(opt2.loss_scale(), opt.loss_scale());
+    assert_eq!(opt2.loss_scaler().unskipped(), opt.loss_scaler().unskipped());
+    for (s, kind) in plan.iter().enumerate().skip(5) {
+        let got = train_step(&vs2, &mut opt2, &fx, &case, s, kind);
+        check_step(&fx, &case, s, &got);
+    }
+    // An optimizer built differently refuses the file and keeps its state.
+    let vs3 = model(&fx, "sgd_dynamic");
+    let mut adam = Fp16Optimizer::new(&vs3, nn::Adam::default(), 1e-3, Fp16OptimizerOptions::default()).unwrap();
+    let before = adam.master_params()[0].detach().copy();
+    assert!(matches!(adam.load_checkpoint(&path, &vs3), Err(AmpError::StateMismatch { .. })));
+    assert!(bits_equal(&adam.master_params()[0].detach(), &before));
+}
