@@ -66,14 +66,14 @@
 //! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`], [`StepOutcome`],
 //!   [`MemoryReport`], [`OptimizerRecord`] and [`ParamRecord`] (what an optimizer saves).
 //! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`].
+//! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
+//!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
 //!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
 //!   set-ups in the module [`cast`].
 //! - **PyTorch files** (`src/torch_io/`): the module [`torch_io`] reads every container
 //!   `torch.save` has written (zip, legacy pickle stream, tar) into a [`torch_io::Value`] tree
 //!   with tch tensors, and writes the zip format `torch.load` reads (`weights_only=True` too).
-//! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
-//!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
