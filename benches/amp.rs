@@ -909,7 +909,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
             s.opt.zero_grad()?;
             let mut loss = s.model.forward_t(&x, true).cross_entropy_for_logits(&y);
             if overflow {
-                loss = loss * f64::INFINITY;
+                loss *= f64::INFINITY;
             }
             s.amp.scale_loss(&loss, &mut [&mut s.opt], |scaled| scaled.backward())?;
             let stepped = s.opt.step()?;
