@@ -8,7 +8,7 @@ mod params;
 mod record;
 mod rules;
 
-pub(crate) use amp_optimizer::{gradient_scans, CollapseInfo, OptimizerSetup};
+pub(crate) use amp_optimizer::{gradient_scans, set_master_grad_slice, CollapseInfo, OptimizerSetup};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use grads::unscale_;
 pub(crate) use params::build_entries;

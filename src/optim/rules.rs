@@ -579,3 +579,102 @@ fn rmsprop(p: &Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::RmsPr
         sys::addcdiv_(p, &grad, &avg, -lr)
     }
 }
+
+// ---- Updating one parameter slice by slice -----------------------------------------------------
+// O2's step materializes each fp32 master gradient a slice at a time, right before its update
+// (src/optim/amp_optimizer.rs), so that no full-size fp32 gradient exists. Every rule here is
+// elementwise, so updating a parameter slice by slice gives its whole-tensor update bit for bit.
+// What this needs from the rules: a per-parameter update callable on views (`param`, `grad`
+// and a `ParamState` whose buffers are views), which creates missing buffers the way the
+// whole-tensor update does.
+
+/// One slice of a parameter's gradient for [`Optimizer::update_in_slices`]: the fp32 gradient
+/// of the flat elements `[start, start + grad.numel())`.
+pub(crate) struct GradSlice {
+    pub(crate) start: i64,
+    pub(crate) grad: Tensor,
+}
+
+impl Optimizer {
+    /// Updates parameter `i` (contiguous, fp32 or fp64) from its gradient given slice by slice:
+    /// `next` yields the slices in order until the parameter is covered (`None` ends it), and
+    /// `done(start, len)` runs after each slice's update (O2 rounds the updated master slice into
+    /// the model there). The step count goes up once. Buffers the rule creates at a
+    /// parameter's first update are created full-size and filled slice by slice.
+    pub(crate) fn update_in_slices(
+        &mut self,
+        i: usize,
+        next: &mut dyn FnMut() -> Result<Option<GradSlice>>,
+        done: &mut dyn FnMut(i64, i64) -> Result<()>,
+    ) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let lr = self.group_lr(self.groups[i]);
+        let config = self.config;
+        let param = self.params[i].shallow_clone();
+        let st = &mut self.state[i];
+        st.step += 1;
+        let existing: Vec<&'static str> = st.buffers.keys().copied().collect();
+        let flat = |t: &Tensor| t.f_view([-1]).ctx("a parameter slice");
+        let param_flat = flat(&param)?;
+        let state_flat: Vec<(&'static str, Tensor)> =
+            existing.iter().map(|name| Ok((*name, flat(&st.buffers[name])?))).collect::<Result<_>>()?;
+        let adam_step =
+            Tensor::f_scalar_tensor(torch_step_value(st.step), (Kind::Float, param.device())).ctx("Adam step")?;
+        let numel = param_flat.numel() as i64;
+        while let Some(GradSlice { start, grad }) = next()? {
+            let len = grad.numel() as i64;
+            let slice = |t: &Tensor| {
+                if len == numel {
+                    Ok(t.shallow_clone())
+                } else {
+                    t.f_narrow(0, start, len).ctx("a parameter slice")
+                }
+            };
+            let p = slice(&param_flat)?;
+            let mut view = ParamState { step: st.step, buffers: BTreeMap::new() };
+            for (name, t) in &state_flat {
+                view.buffers.insert(*name, slice(t)?);
+            }
+            let OptimizerConfig { algorithm, maximize, fused } = config;
+            match algorithm {
+                Algorithm::Sgd(c) => sgd(&p, &grad, &mut view, lr, c, maximize)?,
+                Algorithm::RmsProp(c) => rmsprop(&p, &grad, &mut view, lr, c, maximize)?,
+                Algorithm::Adam(c) if !fused => {
+                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
+                    adam(&p, &grad, &mut view, lr, h, false, maximize)?
+                }
+                Algorithm::AdamW(c) if !fused => {
+                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
+                    adam(&p, &grad, &mut view, lr, h, true, maximize)?
+                }
+                Algorithm::Adam(nn::Adam { amsgrad, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad, .. }) => {
+                    let mut batch = FusedBatch::default();
+                    batch.exp_avgs.push(view.buffer("exp_avg", &p)?);
+                    batch.exp_avg_sqs.push(view.buffer("exp_avg_sq", &p)?);
+                    if amsgrad {
+                        batch.max_exp_avg_sqs.push(view.buffer("max_exp_avg_sq", &p)?);
+                    }
+                    batch.steps.push(adam_step.shallow_clone());
+                    batch.params.push(p.shallow_clone());
+                    batch.grads.push(grad.shallow_clone());
+                    batch.run(algorithm, lr, maximize)?;
+                }
+            }
+            // Buffers created for this slice (the parameter's first update): into full-size state.
+            for (name, slice) in view.buffers {
+                if existing.contains(&name) {
+                    continue;
+                }
+                if !st.buffers.contains_key(name) {
+                    st.buffers.insert(name, param.f_empty_like().ctx("allocating optimizer state")?);
+                }
+                flat(&st.buffers[name])?
+                    .f_narrow(0, start, len)
+                    .and_then(|mut t| t.f_copy_(&slice))
+                    .ctx("optimizer state slice")?;
+            }
+            done(start, len)?;
+        }
+        Ok(())
+    }
+}
