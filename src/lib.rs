@@ -122,10 +122,10 @@ pub use model::{AmpModel, CastReport};
 pub use optim::{
     unscale_, Algorithm, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome,
 };
+pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
 pub use torch_checkpoint::{
     load_torch_checkpoint, save_torch_checkpoint, TorchLoadOptions, TorchLoadReport, TorchSaveOptions,
 };
-pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
 #[cfg(doctest)]

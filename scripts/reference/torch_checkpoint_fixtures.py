@@ -12,6 +12,8 @@ it (as in apex_reference.py).
         # script resumes (model.load_state_dict(strict=True), optimizer.load_state_dict, the amp
         # state), N steps from data step START; the continuation goes to OUT (safetensors, tag
         # "resume").
+    python torch_checkpoint_fixtures.py imagenet OUT WIDTH STAGES CLASSES LABEL
+        # A checkpoint of examples/imagenet.rs's model in main_amp.py's layout (see `imagenet`).
 
 The model: Linear(16, 32) "fc1", BatchNorm1d(32) "bn1", ReLU, Linear(32, 10) "fc2", cross
 entropy, batch 32. Scenarios (level, optimizer, parameter groups):
@@ -312,6 +314,74 @@ def resume(name, ckpt_path, out, start):
     save_file(continue_run(run, xs, ys, start, N, "resume"), out)
 
 
+class Block(nn.Module):
+    """examples/common/model.rs's BasicBlock (conv-bn-relu-conv-bn plus a 1x1 conv-bn shortcut)."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride, 0, bias=False) if stride != 1 or cin != cout else None
+        self.shortcut_bn = nn.BatchNorm2d(cout) if self.shortcut is not None else None
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        s = x if self.shortcut is None else self.shortcut_bn(self.shortcut(x))
+        return F.relu(y + s)
+
+
+class SmallResNet(nn.Module):
+    """examples/common/model.rs's SmallResNet (pool 1), the parameter names of the Rust model."""
+
+    def __init__(self, width, stages, classes):
+        super().__init__()
+        c = width
+        self.stem = nn.Conv2d(1, c, 3, 1, 1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(c)
+        for i in range(stages):
+            cout = c if i == 0 else 2 * c
+            setattr(self, f"block{i}", Block(c, cout, 2))
+            c = cout
+        self.stages = stages
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = F.relu(self.stem_bn(self.stem(x)))
+        for i in range(self.stages):
+            x = getattr(self, f"block{i}")(x)
+        return self.fc(x.mean((2, 3)))
+
+
+def imagenet(out, width, stages, classes, label):
+    """A checkpoint in Apex's examples/imagenet/main_amp.py layout, for examples/imagenet.rs's
+    --resume (tests/examples.rs): {'epoch': 1, 'arch', 'state_dict' (of the DDP-wrapped model:
+    'module.' prefixes), 'best_prec1', 'optimizer' (SGD, momentum 0.9, weight decay 1e-4, as
+    main_amp.py), 'amp' (loss scale 1024, 7 unskipped)}, in the legacy container (torch < 1.6,
+    what most main_amp.py runs wrote). Two SGD steps on random 28x28 images give the optimizer
+    momentum buffers; then fc's weight is zeroed and its bias set to 5 at class LABEL, so the
+    resumed model predicts LABEL for every image (Prec@1 = the share of LABEL in the test set,
+    mean loss = log(e^5 + classes - 1) - 5 * that share)."""
+    torch.manual_seed(0)
+    model = SmallResNet(width, stages, classes)
+    opt = torch.optim.SGD(model.parameters(), 0.025, momentum=0.9, weight_decay=1e-4)
+    for _ in range(2):
+        x, y = torch.rand(8, 1, 28, 28), torch.randint(0, classes, (8,))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.zero_()
+        model.fc.bias[label] = 5.0
+    sd = OrderedDict((f"module.{k}", v) for k, v in model.state_dict().items())
+    amp = OrderedDict(loss_scaler0={"loss_scale": 1024.0, "unskipped": 7})
+    torch.save({"epoch": 1, "arch": "small_resnet", "state_dict": sd, "best_prec1": 10.0,
+                "optimizer": opt.state_dict(), "amp": amp}, out, _use_new_zipfile_serialization=False)
+
+
 def main():
     torch.set_num_threads(1)
     cmd = sys.argv[1]
@@ -319,6 +389,8 @@ def main():
         write(sys.argv[2])
     elif cmd == "resume":
         resume(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif cmd == "imagenet":
+        imagenet(sys.argv[2], *map(int, sys.argv[3:7]))
     else:
         raise SystemExit(f"unknown command {cmd}")
 

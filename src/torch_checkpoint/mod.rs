@@ -324,7 +324,10 @@ pub fn torch_checkpoint_value(
         )));
     }
     if let Some(i) = options.param_orders.keys().find(|&&i| i >= optimizers.len()) {
-        return Err(options_err(format!("a param_order for optimizer {i}, but {} optimizers were given", optimizers.len())));
+        return Err(options_err(format!(
+            "a param_order for optimizer {i}, but {} optimizers were given",
+            optimizers.len()
+        )));
     }
     let mut keys: Vec<&str> = vec![options.model_key.as_str()];
     keys.extend(options.optimizer_keys.iter().map(String::as_str));
@@ -456,7 +459,8 @@ fn amp_value(amp: &Amp) -> Value {
 /// An amp state (numbers, strings, containers) as JSON for [`Amp::load_state_dict`]'s checks.
 fn to_json(node: &Node<'_>) -> Result<serde_json::Value> {
     use serde_json::Value as J;
-    let bad = |message: &str| AmpError::from(TorchCheckpointError::BadValue { path: node.path(), message: message.into() });
+    let bad =
+        |message: &str| AmpError::from(TorchCheckpointError::BadValue { path: node.path(), message: message.into() });
     Ok(match node.value() {
         Value::None => J::Null,
         Value::Bool(b) => J::Bool(*b),

@@ -206,7 +206,9 @@ fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimize
     let err = |reason: String| E::ParamOrder { optimizer: index, reason };
     let got: Vec<usize> = order.iter().map(Vec::len).collect();
     if got != sizes {
-        return Err(err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")).into());
+        return Err(
+            err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")).into()
+        );
     }
     let ours: BTreeSet<&str> = optimizer.param_names().into_iter().collect();
     let mut seen = BTreeSet::new();
@@ -217,6 +219,10 @@ fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimize
         if !seen.insert(name.as_str()) {
             return Err(err(format!("{name} appears twice")).into());
         }
+    }
+    if seen.len() != ours.len() {
+        let left: Vec<&str> = ours.difference(&seen).copied().collect();
+        return Err(err(format!("the order leaves out the parameters {left:?}")).into());
     }
     Ok(())
 }
@@ -245,8 +251,9 @@ pub(super) fn resolve_order(
     let total: usize = sizes.iter().sum();
     let names = optimizer.param_names();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }
-            .into());
+        return Err(
+            E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }.into()
+        );
     }
     if let Some(order) = explicit {
         check_order(order, &sizes, optimizer, index)?;
@@ -331,7 +338,9 @@ fn read_step(n: &Node<'_>) -> Result<u64> {
         _ => number(n)?,
     };
     if !(v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v <= 9_007_199_254_740_992.0) {
-        return Err(E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") }.into());
+        return Err(
+            E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") }.into()
+        );
     }
     Ok(v as u64)
 }
@@ -351,8 +360,9 @@ pub(super) fn record_from_node(
     let names = optimizer.param_names();
     let total: usize = sizes.iter().sum();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }
-            .into());
+        return Err(
+            E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }.into()
+        );
     }
     check_order(order, &sizes, optimizer, index)?;
     let config = optimizer.config();
@@ -400,7 +410,9 @@ pub(super) fn record_from_node(
         let lr_node = g.get("lr")?;
         let lr = number(&lr_node)?;
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") }.into());
+            return Err(
+                E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") }.into()
+            );
         }
         group_lrs.push(lr);
         for name in &order[gi] {
@@ -456,8 +468,10 @@ pub(super) fn record_from_node(
     // Per-parameter state.
     let expected: Vec<&'static str> = config.buffer_names().to_vec();
     let counts_steps = kind != "sgd";
-    let mut params: Vec<ParamRecord> =
-        names.iter().map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None }).collect();
+    let mut params: Vec<ParamRecord> = names
+        .iter()
+        .map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None })
+        .collect();
     let mut converted = Vec::new();
     let state = node.get("state")?;
     for (key, st) in state.entries()? {
@@ -542,11 +556,9 @@ pub(super) fn record_from_node(
             .into());
         }
         if counts_steps && !p.buffers.is_empty() && p.step == 0 {
-            return Err(E::BadValue {
-                path: st.path(),
-                message: "has optimizer state but no step (or step 0)".into(),
-            }
-            .into());
+            return Err(
+                E::BadValue { path: st.path(), message: "has optimizer state but no step (or step 0)".into() }.into()
+            );
         }
     }
 
@@ -674,7 +686,10 @@ pub(super) fn record_to_value(
                 let mut st = Dict::new();
                 if counts_steps {
                     let step = p.step.min(TORCH_STEP_LIMIT) as f64;
-                    st.insert("step", Value::Tensor(Tensor::f_scalar_tensor(step, (Kind::Float, Device::Cpu)).ctx("step")?));
+                    st.insert(
+                        "step",
+                        Value::Tensor(Tensor::f_scalar_tensor(step, (Kind::Float, Device::Cpu)).ctx("step")?),
+                    );
                 }
                 for buf in buffer_order {
                     if let Some(t) = p.buffers.get(*buf) {
@@ -740,14 +755,29 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
             _ => false,
         };
     let config: OptimizerConfig = match kind {
-        "sgd" => nn::Sgd { momentum: v["momentum"], dampening: v["dampening"], wd: v["weight_decay"], nesterov: on("nesterov") }
-            .into(),
-        "adam" => nn::Adam { beta1: v["beta1"], beta2: v["beta2"], wd: v["weight_decay"], eps: v["eps"], amsgrad: on("amsgrad") }
-            .into(),
-        "adamw" => {
-            nn::AdamW { beta1: v["beta1"], beta2: v["beta2"], wd: v["weight_decay"], eps: v["eps"], amsgrad: on("amsgrad") }
-                .into()
+        "sgd" => nn::Sgd {
+            momentum: v["momentum"],
+            dampening: v["dampening"],
+            wd: v["weight_decay"],
+            nesterov: on("nesterov"),
         }
+        .into(),
+        "adam" => nn::Adam {
+            beta1: v["beta1"],
+            beta2: v["beta2"],
+            wd: v["weight_decay"],
+            eps: v["eps"],
+            amsgrad: on("amsgrad"),
+        }
+        .into(),
+        "adamw" => nn::AdamW {
+            beta1: v["beta1"],
+            beta2: v["beta2"],
+            wd: v["weight_decay"],
+            eps: v["eps"],
+            amsgrad: on("amsgrad"),
+        }
+        .into(),
         _ => nn::RmsProp {
             alpha: v["alpha"],
             eps: v["eps"],
