@@ -150,6 +150,10 @@ pub enum AmpError {
     /// A `torch.save` file that cannot be read or written (see [`crate::torch_io`]).
     #[error(transparent)]
     TorchFile(#[from] crate::torch_io::TorchIoError),
+    /// A `torch.save` checkpoint that does not fit the model, optimizers or `Amp` it is loaded
+    /// into (see [`crate::torch_checkpoint`]); nothing was changed.
+    #[error(transparent)]
+    TorchCheckpoint(#[from] crate::torch_checkpoint::TorchCheckpointError),
     /// A distributed-training operation failed (see [`crate::distributed`]).
     #[error(transparent)]
     Distributed(Box<crate::distributed::DistError>),

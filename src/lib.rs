@@ -74,6 +74,11 @@
 //! - **PyTorch files** (`src/torch_io/`): the module [`torch_io`] reads every container
 //!   `torch.save` has written (zip, legacy pickle stream, tar) into a [`torch_io::Value`] tree
 //!   with tch tensors, and writes the zip format `torch.load` reads (`weights_only=True` too).
+//! - **PyTorch/Apex checkpoints** (`src/torch_checkpoint/`): [`load_torch_checkpoint`] resumes
+//!   from what an Apex script saved with `torch.save` (model, torch.optim and amp state dicts),
+//!   [`save_torch_checkpoint`] writes what its resume code reads; options
+//!   [`TorchLoadOptions`] / [`TorchSaveOptions`], the mapping of torch.optim's state dict to
+//!   [`OptimizerRecord`] in the module [`torch_checkpoint`].
 //! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
@@ -104,6 +109,7 @@ mod model;
 mod optim;
 mod scaling;
 mod sys;
+pub mod torch_checkpoint;
 pub mod torch_io;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
@@ -120,6 +126,9 @@ pub use optim::{
     unscale_, Algorithm, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome,
 };
 pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
+pub use torch_checkpoint::{
+    load_torch_checkpoint, save_torch_checkpoint, TorchLoadOptions, TorchLoadReport, TorchSaveOptions,
+};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
 #[cfg(doctest)]

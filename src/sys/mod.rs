@@ -14,8 +14,8 @@ use crate::error::{AmpError, Result};
 
 mod autocast;
 pub(crate) mod cast;
-pub(crate) mod distributed;
 pub(crate) mod cpu;
+pub(crate) mod distributed;
 mod grads;
 mod optim;
 
