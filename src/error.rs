@@ -295,6 +295,31 @@ pub enum AmpError {
         /// The tensor's dtype.
         dtype: Kind,
     },
+    /// [`crate::fp16_utils::Fp16Optimizer`] was given a trainable variable that is neither fp16
+    /// nor fp32 (Apex's `FP16_Optimizer` raised a `TypeError`).
+    #[error(
+        "FP16_Optimizer wraps fp16 and fp32 parameters only, but {name} is {kind:?}: cast the model with \
+         fp16_utils::network_to_half (or keep the variable fp32), or use tch_amp::initialize for bf16"
+    )]
+    LegacyParamDtype {
+        /// The variable.
+        name: String,
+        /// Its dtype.
+        kind: Kind,
+    },
+    /// `Fp16Optimizer::step` after `backward_with(loss, false)` without `update_master_grads()`:
+    /// the master gradients are stale and the fp32 gradients still scaled.
+    #[error(
+        "step() after backward_with(loss, false): call update_master_grads() first (it unscales the \
+         gradients into the fp32 masters and checks them for overflow)"
+    )]
+    MasterGradsNotUpdated,
+    /// Model and master parameter lists of `fp16_utils` that do not belong together.
+    #[error("fp16_utils: {message}")]
+    ParamListMismatch {
+        /// What differs, and what to do.
+        message: String,
+    },
 }
 
 /// `Result` with [`AmpError`].

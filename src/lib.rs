@@ -66,6 +66,8 @@
 //! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`], [`StepOutcome`],
 //!   [`MemoryReport`], [`OptimizerRecord`] and [`ParamRecord`] (what an optimizer saves).
 //! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`].
+//! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
+//!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
 //!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
 //!   set-ups in the module [`cast`].
@@ -102,6 +104,7 @@ pub mod diagnostics;
 pub mod distributed;
 mod dtype;
 mod error;
+pub mod fp16_utils;
 mod model;
 mod optim;
 mod scaling;
