@@ -1,212 +1,1198 @@
-//! `cargo bench --bench amp` (or `make bench`): one table of step times, every figure a ratio
-//! to the fp32 hand-written tch loop measured in the same run, plus PyTorch's own AMP on the
-//! same model/batch/threads (scripts/bench_torch.py with the setup's torch 2.13 venv), the
-//! fused unscale's throughput against a plain copy, and bytes per parameter.
+//! `cargo bench --bench amp` (or `make bench`): one table per workload of training-step times,
+//! tch-amp's opt levels against a hand-written fp32 tch loop and against PyTorch's own AMP on
+//! the same model, batch and thread count (scripts/bench_torch.py, run as a server by the
+//! setup's torch venv), with the fraction of this machine's fp32 GEMM peak each reaches.
 //!
-//! Flags: `--steps N` (20), `--batch B` (128), `--hidden H` (1024), `--native-steps N` (3:
-//! native fp16 kernels are 50-170x slower on CPUs without fp16 units), `--no-python`.
+//! Workloads: an MLP (GEMM-bound), the main job's small ResNet (convolution-bound, from
+//! examples/common/model.rs) and a 2-block pre-LN transformer encoder (attention, LayerNorm,
+//! GELU, softmax: where Apex's fp32 list matters). Every configuration runs in every round,
+//! in turn (ABAB...), after a warm-up: one untimed step, then `--steps` timed steps, per round.
+//! Each figure is the median over rounds of the per-round median, with the min/max over
+//! rounds; each ratio is computed per round (both figures from the same round) and reported
+//! the same way. Goals are judged on median ratios.
+//!
+//! ```text
+//! cargo bench --bench amp                                   # the full table (idle machine!)
+//! cargo bench --bench amp -- --steps 2 --rounds 2 --warmup 1 --workloads mlp   # smoke run
+//! cargo bench --bench amp -- --phases --memory              # + per-phase times, measured peak B/param
+//! cargo bench --bench amp -- --device cuda                  # the same table on a GPU (+ TF32 rows)
+//! ```
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-use tch::nn::{self, ModuleT, OptimizerConfig as _, VarStore};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{initialize, AmpConfig, OptLevel};
+use tch_amp::cast::CpuFeatures;
+use tch_amp::diagnostics::{self, CastProfile};
+use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, OptLevel, OptimizerConfig};
 
+#[allow(dead_code)]
+#[path = "../examples/common/model.rs"]
+mod resnet;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum, serde::Serialize)]
+enum Workload {
+    Mlp,
+    Cnn,
+    Transformer,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Mlp => "mlp",
+            Workload::Cnn => "cnn",
+            Workload::Transformer => "transformer",
+        }
+    }
+    fn describe(self) -> &'static str {
+        match self {
+            Workload::Mlp => "MLP 784-1024-1024-10 with batch norm, batch 128 (GEMM-bound)",
+            Workload::Cnn => "the main job's ResNet (width 16, 2 stages, pool 7), batch 128 of 1x28x28 (convolution-bound)",
+            Workload::Transformer => {
+                "2 pre-LN encoder blocks (d 256, 4 heads, FF 1024, GELU), batch 8 x 64 tokens (attention, LayerNorm, softmax)"
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+enum Opt {
+    /// Adam, lr 1e-3.
+    Adam,
+    /// SGD with momentum 0.9, lr 1e-2.
+    Sgd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+enum AdamKernel {
+    /// libtorch's fused Adam kernel everywhere: tch-amp's `OptimizerConfig::fused(true)`, the
+    /// same kernel called by the hand-written loop, torch.optim.Adam(fused=True). The update
+    /// is then the same code in every row, so ratios measure the AMP machinery alone.
+    Fused,
+    /// torch.optim's single-tensor algorithm (tch-amp's default Adam, torch's default on CPU);
+    /// the hand-written loop writes it with tch's ops (one more temporary per parameter, as
+    /// tch has no `addcmul_` with a value).
+    Single,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+enum KernelRows {
+    /// Only what `CpuKernels::Auto` chooses on this CPU.
+    Chosen,
+    /// Native and emulated rows for each low-precision configuration.
+    Both,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+enum Clock {
+    /// Elapsed time.
+    Wall,
+    /// The calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID; Python: time.thread_time).
+    Cpu,
+}
+
+/// tch-amp's training-step benchmark (see the file's doc).
+#[derive(Parser, Debug, serde::Serialize)]
+#[command(about, long_about = None)]
 struct Args {
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Workloads to run (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "mlp,cnn,transformer")]
+    workloads: Vec<Workload>,
+    /// Timed steps per configuration per round.
+    #[arg(long, default_value_t = 10)]
     steps: usize,
-    native_steps: usize,
-    batch: i64,
-    hidden: i64,
-    python: bool,
+    /// Rounds (every configuration runs once per round, in turn).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Untimed warm-up steps per configuration before the first round.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// libtorch intra-op threads (default: libtorch's choice), the same in PyTorch.
+    #[arg(long)]
+    threads: Option<i32>,
+    /// The update rule.
+    #[arg(long, value_enum, default_value_t = Opt::Adam)]
+    optimizer: Opt,
+    /// Which Adam the baselines run: keep it the algorithm tch-amp's Adam runs.
+    #[arg(long, value_enum, default_value_t = AdamKernel::Fused)]
+    adam_kernel: AdamKernel,
+    /// Low-precision rows: the kernels `Auto` chooses, or native and emulated both (CPU only).
+    #[arg(long, value_enum, default_value_t = KernelRows::Both)]
+    kernels: KernelRows,
+    /// Keep only the configurations whose label contains one of these (comma-separated; the
+    /// fp32 loop always runs: it is the baseline), e.g. `--only "O0,O2 fp16 (emulated"`.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Skip the PyTorch rows.
+    #[arg(long)]
+    no_python: bool,
+    /// Also print where each step's time goes (zero_grad, forward, backward, unscale, step,
+    /// and inside the cast kernels).
+    #[arg(long)]
+    phases: bool,
+    /// Also measure the peak bytes per parameter from scale_loss's unscale to the end of the
+    /// step with a counting CPU allocator (after the timings: it slows allocation down).
+    #[arg(long)]
+    memory: bool,
+    /// Write every figure as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// A configuration whose warm-up step is this many times the fp32 loop's runs one timed
+    /// step per round (native fp16 kernels on CPUs without fp16 units are 50-170x slower).
+    #[arg(long, default_value_t = 8.0)]
+    slow_factor: f64,
+    /// What a step's time is: `wall` clock, or `cpu` time of the calling thread (with
+    /// `--threads 1` on a shared machine it leaves out the time other processes hold the core).
+    #[arg(long, value_enum, default_value_t = Clock::Wall)]
+    clock: Clock,
+    /// Side of the square fp32 GEMM whose rate is the "peak" (0: skip it; the fraction column
+    /// is then empty).
+    #[arg(long, default_value_t = 1536)]
+    gemm_size: i64,
+    /// Largest slice (elements) of an fp32 master gradient O2's step makes at once (0: the
+    /// full-size master gradients made at scale_loss exit, the path before the slice-wise step).
+    #[arg(long)]
+    master_grad_slice: Option<i64>,
+    /// Add O2 rows that make the fp32 master gradients full-size at scale_loss exit (the path
+    /// before the slice-wise step), run in the same rounds.
+    #[arg(long)]
+    compare_full_size: bool,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
-fn args() -> Args {
-    let mut a = Args { steps: 20, native_steps: 3, batch: 128, hidden: 1024, python: true };
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < v.len() {
-        let next = |i: usize| {
-            v.get(i + 1).and_then(|s| s.parse::<i64>().ok()).unwrap_or_else(|| panic!("{} needs a number", v[i]))
-        };
-        match v[i].as_str() {
-            "--steps" => {
-                a.steps = next(i) as usize;
-                i += 1
-            }
-            "--native-steps" => {
-                a.native_steps = next(i) as usize;
-                i += 1
-            }
-            "--batch" => {
-                a.batch = next(i);
-                i += 1
-            }
-            "--hidden" => {
-                a.hidden = next(i);
-                i += 1
-            }
-            "--no-python" => a.python = false,
-            _ => {} // cargo bench passes --bench
+// ---------------------------------------------------------------------------------------------
+// Models
+
+/// Pre-LN transformer encoder block with attention written out (as in bench_torch.py).
+#[derive(Debug)]
+struct EncoderBlock {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    out: nn::Linear,
+    ln2: nn::LayerNorm,
+    ff1: nn::Linear,
+    ff2: nn::Linear,
+    heads: i64,
+}
+
+impl EncoderBlock {
+    fn new(p: &nn::Path, d: i64, heads: i64, ff: i64) -> Self {
+        Self {
+            ln1: nn::layer_norm(p / "ln1", vec![d], Default::default()),
+            qkv: nn::linear(p / "qkv", d, 3 * d, Default::default()),
+            out: nn::linear(p / "out", d, d, Default::default()),
+            ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
+            ff1: nn::linear(p / "ff1", d, ff, Default::default()),
+            ff2: nn::linear(p / "ff2", ff, d, Default::default()),
+            heads,
         }
-        i += 1;
     }
-    a
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, s, d) = x.size3().expect("[batch, tokens, features]");
+        let (h, dh) = (self.heads, d / self.heads);
+        let qkv = self.qkv.forward(&self.ln1.forward(x)).view([b, s, 3, h, dh]).permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        let att = (q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt())).softmax(-1, None::<Kind>);
+        let o = att.matmul(&v).transpose(1, 2).reshape([b, s, d]);
+        let x = x + self.out.forward(&o);
+        let f = self.ff2.forward(&self.ff1.forward(&self.ln2.forward(&x)).gelu("none"));
+        x + f
+    }
 }
 
-fn mlp(vs: &VarStore, hidden: i64) -> nn::SequentialT {
+#[derive(Debug)]
+struct Encoder {
+    blocks: Vec<EncoderBlock>,
+    ln: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+const TR_D: i64 = 256;
+const TR_HEADS: i64 = 4;
+const TR_FF: i64 = 1024;
+const TR_LAYERS: i64 = 2;
+const TR_BATCH: i64 = 8;
+const TR_TOKENS: i64 = 64;
+
+impl Encoder {
+    fn new(p: &nn::Path) -> Self {
+        Self {
+            blocks: (0..TR_LAYERS)
+                .map(|i| EncoderBlock::new(&(p / format!("block{i}")), TR_D, TR_HEADS, TR_FF))
+                .collect(),
+            ln: nn::layer_norm(p / "ln", vec![TR_D], Default::default()),
+            head: nn::linear(p / "head", TR_D, 10, Default::default()),
+        }
+    }
+}
+
+/// The three workloads' networks behind one type (tch-amp's model wrapper is generic).
+#[derive(Debug)]
+enum Net {
+    Mlp(nn::SequentialT),
+    Cnn(resnet::SmallResNet),
+    Transformer(Encoder),
+}
+
+impl ModuleT for Net {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        match self {
+            Net::Mlp(m) => m.forward_t(xs, train),
+            Net::Cnn(m) => m.forward_t(xs, train),
+            Net::Transformer(m) => {
+                let mut x = xs.shallow_clone();
+                for b in &m.blocks {
+                    x = b.forward(&x);
+                }
+                m.head.forward(&m.ln.forward(&x).mean_dim(1, false, None::<Kind>))
+            }
+        }
+    }
+}
+
+const MLP_BATCH: i64 = 128;
+const MLP_HIDDEN: i64 = 1024;
+const CNN_BATCH: i64 = 128;
+
+fn build(w: Workload, vs: &VarStore) -> Net {
     let r = vs.root();
-    nn::seq_t()
-        .add(nn::linear(&r / "fc1", 784, hidden, Default::default()))
-        .add(nn::batch_norm1d(&r / "bn1", hidden, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&r / "fc2", hidden, hidden, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&r / "fc3", hidden, 10, Default::default()))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn time_steps(steps: usize, mut step: impl FnMut()) -> f64 {
-    for _ in 0..2 {
-        step();
+    match w {
+        Workload::Mlp => Net::Mlp(
+            nn::seq_t()
+                .add(nn::linear(&r / "fc1", 784, MLP_HIDDEN, Default::default()))
+                .add(nn::batch_norm1d(&r / "bn1", MLP_HIDDEN, Default::default()))
+                .add_fn(|x| x.relu())
+                .add(nn::linear(&r / "fc2", MLP_HIDDEN, MLP_HIDDEN, Default::default()))
+                .add_fn(|x| x.relu())
+                .add(nn::linear(&r / "fc3", MLP_HIDDEN, 10, Default::default())),
+        ),
+        Workload::Cnn => Net::Cnn(resnet::SmallResNet::new(
+            &r,
+            resnet::ResNetConfig { in_channels: 1, num_classes: 10, width: 16, stages: 2, pool: 7 },
+        )),
+        Workload::Transformer => Net::Transformer(Encoder::new(&r)),
     }
-    median(
-        (0..steps.max(1))
-            .map(|_| {
-                let t = Instant::now();
-                step();
-                t.elapsed().as_secs_f64() * 1e3
-            })
-            .collect(),
-    )
 }
 
-fn data(a: &Args) -> (Tensor, Tensor) {
+fn data(w: Workload, device: Device) -> (Tensor, Tensor) {
     tch::manual_seed(0);
-    (
-        Tensor::randn([a.batch, 784], (Kind::Float, Device::Cpu)),
-        Tensor::randint(10, [a.batch], (Kind::Int64, Device::Cpu)),
-    )
+    let (shape, n): (Vec<i64>, i64) = match w {
+        Workload::Mlp => (vec![MLP_BATCH, 784], MLP_BATCH),
+        Workload::Cnn => (vec![CNN_BATCH, 1, 28, 28], CNN_BATCH),
+        Workload::Transformer => (vec![TR_BATCH, TR_TOKENS, TR_D], TR_BATCH),
+    };
+    (Tensor::randn(shape, (Kind::Float, device)), Tensor::randint(10, [n], (Kind::Int64, device)))
 }
 
-fn hand_written_fp32(a: &Args) -> f64 {
-    let (x, y) = data(a);
-    let vs = VarStore::new(Device::Cpu);
-    let net = mlp(&vs, a.hidden);
-    let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
-    time_steps(a.steps, || {
-        let loss = net.forward_t(&x, true).cross_entropy_for_logits(&y);
-        opt.backward_step(&loss);
-    })
-}
-
-/// Median ms per step, skipped steps, and bytes/param at step time.
-fn amp_step(a: &Args, cfg: AmpConfig, steps: usize) -> (f64, u64, f64) {
-    let (x, y) = data(a);
-    let vs = VarStore::new(Device::Cpu);
-    let net = mlp(&vs, a.hidden);
-    let (model, mut opt, mut amp) = initialize(&vs, net, nn::Adam::default(), 1e-3, &cfg.verbosity(0)).unwrap();
-    let mut bpp = 0.0;
-    let ms = time_steps(steps, || {
-        opt.zero_grad().unwrap();
-        let loss = model.forward_t(&x, true).cross_entropy_for_logits(&y);
-        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
-        bpp = opt.memory().bytes_per_param();
-        opt.step().unwrap();
-    });
-    (ms, opt.step_counts().1, bpp)
-}
-
-fn unscale_vs_copy() -> (f64, f64) {
-    let grads: Vec<Tensor> = (0..64).map(|_| Tensor::randn([256 * 1024], (Kind::Float, Device::Cpu))).collect();
-    let dst: Vec<Tensor> = grads.iter().map(|g| g.zeros_like()).collect();
-    let found_inf = Tensor::zeros([1], (Kind::Float, Device::Cpu));
-    let inv = Tensor::ones([1], (Kind::Float, Device::Cpu));
-    let bytes = 64.0 * 256.0 * 1024.0 * 4.0;
-    let unscale = time_steps(20, || tch_amp::unscale_(&grads, &found_inf, &inv).unwrap());
-    let copy = time_steps(20, || {
-        for (d, g) in dst.iter().zip(&grads) {
-            d.shallow_clone().copy_(g);
+/// GEMM and convolution FLOPs of one training step: 3x the forward's (forward, and backward to
+/// inputs and to weights); elementwise ops are not counted.
+fn flops_per_step(w: Workload) -> f64 {
+    let fwd = match w {
+        Workload::Mlp => 2.0 * MLP_BATCH as f64 * (784.0 * 1024.0 + 1024.0 * 1024.0 + 1024.0 * 10.0),
+        Workload::Cnn => {
+            // (out channels, in channels, kernel, output side) of every convolution, and the head.
+            let convs = [
+                (16, 1, 3, 28),
+                (16, 16, 3, 14),
+                (16, 16, 3, 14),
+                (16, 16, 1, 14),
+                (32, 16, 3, 7),
+                (32, 32, 3, 7),
+                (32, 16, 1, 7),
+            ];
+            let per_image: f64 =
+                convs.iter().map(|&(co, ci, k, s)| 2.0 * (co * ci * k * k * s * s) as f64).sum::<f64>()
+                    + 2.0 * 1568.0 * 10.0;
+            per_image * CNN_BATCH as f64
         }
-    });
-    (bytes / unscale / 1e6, bytes / copy / 1e6) // GB/s
-}
-
-fn python(a: &Args) -> Option<serde_json::Value> {
-    let py = std::env::var("TCH_AMP_PYTHON").ok()?;
-    let out = std::process::Command::new(py)
-        .args(["scripts/bench_torch.py", "--batch", &a.batch.to_string(), "--hidden", &a.hidden.to_string()])
-        .args(["--steps", &a.steps.to_string(), "--native-steps", &a.native_steps.to_string()])
-        .args(["--threads", &tch::get_num_threads().to_string()])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        eprintln!("bench_torch.py failed: {}", String::from_utf8_lossy(&out.stderr));
-        return None;
-    }
-    serde_json::from_slice(&out.stdout).ok()
-}
-
-fn main() {
-    let a = args();
-    println!(
-        "tch-amp benchmark: MLP 784-{h}-{h}-10 with batch norm, batch {b}, Adam, {t} threads, median of {s} steps",
-        h = a.hidden,
-        b = a.batch,
-        t = tch::get_num_threads(),
-        s = a.steps
-    );
-    let base = hand_written_fp32(&a);
-    let mut rows: Vec<(String, f64, String)> =
-        vec![("fp32 hand-written tch loop (tch nn::Adam)".into(), base, String::new())];
-    let levels: Vec<(&str, AmpConfig, usize)> = vec![
-        ("O0", AmpConfig::new(OptLevel::O0), a.steps),
-        ("O1 fp16, emulation on", AmpConfig::new(OptLevel::O1), a.steps),
-        ("O1 bf16, emulation on", AmpConfig::new(OptLevel::O1).low_precision_dtype(Kind::BFloat16), a.steps),
-        ("O1 fp16, native kernels", AmpConfig::new(OptLevel::O1).emulate_low_precision_on_cpu(false), a.native_steps),
-        ("O2, emulation on", AmpConfig::new(OptLevel::O2), a.steps),
-        ("O2, native kernels", AmpConfig::new(OptLevel::O2).emulate_low_precision_on_cpu(false), a.native_steps),
-        ("O3, emulation on", AmpConfig::new(OptLevel::O3), a.steps),
-        ("O3, native kernels", AmpConfig::new(OptLevel::O3).emulate_low_precision_on_cpu(false), a.native_steps),
-    ];
-    let mut o2_ms = None;
-    for (name, cfg, steps) in levels {
-        let (ms, skipped, bpp) = amp_step(&a, cfg, steps);
-        if name == "O2, emulation on" {
-            o2_ms = Some(ms);
+        Workload::Transformer => {
+            let tokens = (TR_BATCH * TR_TOKENS) as f64;
+            let (d, f, s) = (TR_D as f64, TR_FF as f64, TR_TOKENS as f64);
+            let per_layer = 2.0 * tokens * (4.0 * d * d + 2.0 * d * f) + 2.0 * 2.0 * tokens * s * d;
+            TR_LAYERS as f64 * per_layer + 2.0 * TR_BATCH as f64 * d * 10.0
         }
-        rows.push((format!("tch-amp {name}"), ms, format!("{skipped} skipped, {bpp:.1} B/param at step")));
+    };
+    3.0 * fwd
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configurations
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Config {
+    /// Hand-written tch loop in fp32 (`tf32`: with TF32 on, CUDA only).
+    Loop { tf32: bool },
+    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
+    /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
+    /// before the slice-wise step) instead of a slice at a time in `step`.
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool },
+    /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
+    Torch(&'static str),
+}
+
+fn dtype_name(k: Kind) -> &'static str {
+    if k == Kind::BFloat16 {
+        "bf16"
+    } else {
+        "fp16"
     }
-    if a.python {
-        match python(&a) {
-            Some(v) => {
-                for (k, label) in [
-                    ("fp32", "PyTorch fp32 (Python)"),
-                    ("amp_fp16", "PyTorch autocast fp16 + GradScaler('cpu')"),
-                    ("amp_bf16", "PyTorch autocast bf16"),
-                ] {
-                    if let Some(ms) = v[k].as_f64() {
-                        let note = match (k, o2_ms) {
-                            ("amp_fp16", Some(o2)) => format!("tch-amp O2 / this = {:.3}", o2 / ms),
-                            _ => String::new(),
-                        };
-                        rows.push((label.into(), ms, note));
-                    }
+}
+
+impl Config {
+    fn label(&self, cuda: bool) -> String {
+        match self {
+            Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
+            Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
+            Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
+            Config::Amp { level, dtype: Some(k), kernels, full_size } => {
+                let how = if cuda {
+                    String::new()
+                } else {
+                    let auto = CpuFeatures::detect().auto_choice(*k) == *kernels;
+                    let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
+                    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
+                };
+                let full = if *full_size { ", full-size master grads" } else { "" };
+                format!("tch-amp {level} {}{how}{full}", dtype_name(*k))
+            }
+            Config::Torch("fp32") => "PyTorch fp32".into(),
+            Config::Torch("tf32") => "PyTorch TF32".into(),
+            Config::Torch("amp_bf16") => "PyTorch autocast bf16".into(),
+            Config::Torch("amp_fp16") => {
+                if cuda {
+                    "PyTorch autocast fp16 + GradScaler".into()
+                } else {
+                    "PyTorch autocast fp16 + GradScaler('cpu')".into()
                 }
             }
-            None => eprintln!("(PyTorch rows skipped: TCH_AMP_PYTHON unset or the script failed; run `make setup`)"),
+            Config::Torch(m) => format!("PyTorch {m}"),
         }
     }
-    println!("\n| configuration | ms/step | ratio to fp32 tch loop | notes |\n|---|---:|---:|---|");
-    for (name, ms, note) in &rows {
-        println!("| {name} | {ms:.2} | {:.3} | {note} |", ms / base);
+
+    fn amp_config(&self) -> Option<AmpConfig> {
+        let Config::Amp { level, dtype, kernels, .. } = *self else { return None };
+        let mut c = AmpConfig::new(level).verbosity(0).cpu_kernels(kernels);
+        if let Some(k) = dtype {
+            c = match level {
+                OptLevel::O1 => c.low_precision_dtype(k),
+                _ => c.cast_model_type(Some(k)),
+            };
+        }
+        Some(c)
     }
-    let (unscale_gbs, copy_gbs) = unscale_vs_copy();
-    println!(
-        "\nfused unscale + inf/NaN check: {unscale_gbs:.2} GB/s vs plain copy {copy_gbs:.2} GB/s of the same bytes = {:.0} %",
-        100.0 * unscale_gbs / copy_gbs
+}
+
+fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
+    let mut v = vec![Config::Loop { tf32: false }];
+    if cuda {
+        v.push(Config::Loop { tf32: true });
+    }
+    v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto, full_size: false });
+    for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        for k in [Kind::Half, Kind::BFloat16] {
+            let chosen = CpuFeatures::detect().auto_choice(k);
+            let mut kernels = vec![chosen];
+            if !cuda && args.kernels == KernelRows::Both {
+                kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
+            }
+            for kernels in kernels {
+                v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: false });
+                if args.compare_full_size && level == OptLevel::O2 {
+                    v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: true });
+                }
+            }
+        }
+    }
+    if python {
+        v.push(Config::Torch("fp32"));
+        if cuda {
+            v.push(Config::Torch("tf32"));
+        }
+        v.push(Config::Torch("amp_bf16"));
+        v.push(Config::Torch("amp_fp16"));
+    }
+    if !args.only.is_empty() {
+        let keep = |c: &Config| {
+            matches!(c, Config::Loop { tf32: false }) || args.only.iter().any(|o| c.label(cuda).contains(o.as_str()))
+        };
+        v.retain(keep);
+    }
+    v
+}
+
+fn optimizer_config(args: &Args) -> OptimizerConfig {
+    match args.optimizer {
+        Opt::Adam => OptimizerConfig::from(nn::Adam::default()).fused(args.adam_kernel == AdamKernel::Fused),
+        Opt::Sgd => nn::Sgd { momentum: 0.9, ..Default::default() }.into(),
+    }
+}
+
+fn lr(args: &Args) -> f64 {
+    match args.optimizer {
+        Opt::Adam => 1e-3,
+        Opt::Sgd => 1e-2,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runners: one per configuration, each able to run a round of steps.
+
+/// Per-step phase times in ms, by name, for `--phases`.
+type Phases = BTreeMap<&'static str, Vec<f64>>;
+
+/// A point in time on the benchmark's clock (`--clock`).
+#[derive(Clone, Copy)]
+struct Stamp(f64);
+
+static CPU_CLOCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn now() -> Stamp {
+    if CPU_CLOCK.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes the timespec we pass; the clock id is a constant.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        Stamp(ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6)
+    } else {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        Stamp(START.get_or_init(Instant::now).elapsed().as_secs_f64() * 1e3)
+    }
+}
+
+fn ms_since(t: Stamp) -> f64 {
+    now().0 - t.0
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(n) = device {
+        tch::Cuda::synchronize(n as i64);
+    }
+}
+
+/// The hand-written loop's optimizer: the same update algorithm as tch-amp's.
+enum HandOpt {
+    FusedAdam { params: Vec<Tensor>, m: Vec<Tensor>, v: Vec<Tensor>, step: u64 },
+    SingleAdam { params: Vec<Tensor>, m: Vec<Tensor>, v: Vec<Tensor>, step: u64 },
+    Sgd { params: Vec<Tensor>, bufs: Vec<Option<Tensor>> },
+}
+
+impl HandOpt {
+    fn new(args: &Args, vs: &VarStore) -> Self {
+        let params = vs.trainable_variables();
+        let zeros = || params.iter().map(Tensor::zeros_like).collect::<Vec<_>>();
+        match (args.optimizer, args.adam_kernel) {
+            (Opt::Adam, AdamKernel::Fused) => HandOpt::FusedAdam { m: zeros(), v: zeros(), params, step: 0 },
+            (Opt::Adam, AdamKernel::Single) => HandOpt::SingleAdam { m: zeros(), v: zeros(), params, step: 0 },
+            (Opt::Sgd, _) => HandOpt::Sgd { bufs: params.iter().map(|_| None).collect(), params },
+        }
+    }
+
+    fn zero_grad(&self) {
+        let params = match self {
+            HandOpt::FusedAdam { params, .. } | HandOpt::SingleAdam { params, .. } | HandOpt::Sgd { params, .. } => {
+                params
+            }
+        };
+        for p in params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+    }
+
+    fn step(&mut self, lr: f64) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        match self {
+            HandOpt::FusedAdam { params, m, v, step } => {
+                *step += 1;
+                let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+                let steps: Vec<Tensor> =
+                    params.iter().map(|p| Tensor::scalar_tensor(*step as f64, (Kind::Float, p.device()))).collect();
+                diagnostics::fused_adam_(params, &grads, m, v, &steps, lr, 0.9, 0.999, 0.0, 1e-8, false)?;
+            }
+            HandOpt::SingleAdam { params, m, v, step } => {
+                // torch.optim's _single_tensor_adam, op for op (weight decay 0).
+                *step += 1;
+                let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8);
+                let bc1 = 1.0 - b1.powf(*step as f64);
+                let bc2_sqrt = (1.0 - b2.powf(*step as f64)).sqrt();
+                for ((p, m), v) in params.iter().zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let g = p.grad();
+                    let _ = m.lerp_(&g, 1.0 - b1);
+                    let _ = v.g_mul_scalar_(b2);
+                    let _ = v.addcmul_(&g, &(&g * (1.0 - b2)));
+                    let mut denom = v.sqrt() / bc2_sqrt;
+                    let _ = denom.g_add_scalar_(eps);
+                    let mut p = p.shallow_clone();
+                    let _ = p.addcdiv_(&(&*m * (-lr / bc1)), &denom);
+                }
+            }
+            HandOpt::Sgd { params, bufs } => {
+                for (p, buf) in params.iter().zip(bufs.iter_mut()) {
+                    let g = p.grad();
+                    let b = match buf.take() {
+                        None => g.detach_copy(),
+                        Some(mut b) => {
+                            let _ = b.g_mul_scalar_(0.9);
+                            let _ = b.g_add_(&g);
+                            b
+                        }
+                    };
+                    let mut p = p.shallow_clone();
+                    let _ = p.g_sub_(&(&b * lr));
+                    *buf = Some(b);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One tch-amp round's objects (made per round: an `Amp` activates its cast policy on this
+/// thread for its lifetime, so only one configuration's may be alive at a time).
+struct AmpSession {
+    model: AmpModel<Net>,
+    opt: AmpOptimizer,
+    amp: Amp,
+}
+
+enum Runner {
+    Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
+    Amp { cfg: Box<AmpConfig>, full_size: bool, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
+    Torch { workload: Workload, mode: &'static str },
+}
+
+struct Bench {
+    args: Args,
+    device: Device,
+    python: Option<Python>,
+    /// The slice setting a full-size round replaced.
+    saved_slice: std::cell::Cell<i64>,
+    /// Host reads (syncs on CUDA) tch-amp made in each step since the last `take`.
+    syncs: std::cell::RefCell<Vec<f64>>,
+}
+
+impl Bench {
+    fn make_runner(&self, w: Workload, c: Config) -> Result<Runner> {
+        tch::manual_seed(0);
+        let vs = VarStore::new(self.device);
+        Ok(match c {
+            Config::Loop { tf32 } => {
+                let net = build(w, &vs);
+                let opt = HandOpt::new(&self.args, &vs);
+                Runner::Loop { net, _vs: vs, opt, tf32 }
+            }
+            Config::Amp { full_size, .. } => {
+                let net = build(w, &vs);
+                let cfg = c.amp_config().expect("an Amp config");
+                Runner::Amp { cfg: Box::new(cfg), full_size, vs, net: Some(net), session: None }
+            }
+            Config::Torch(mode) => Runner::Torch { workload: w, mode },
+        })
+    }
+
+    fn begin_round(&self, r: &mut Runner) -> Result<()> {
+        if let Runner::Amp { cfg, full_size, vs, net, session } = r {
+            if *full_size {
+                self.saved_slice.set(diagnostics::set_master_grad_slice(0));
+            }
+            let amp = Amp::new(cfg)?;
+            let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
+            let opt = amp.optimizer(vs, optimizer_config(&self.args), lr(&self.args))?;
+            *session = Some(Box::new(AmpSession { model, opt, amp }));
+        }
+        if let Runner::Loop { tf32: true, .. } = r {
+            diagnostics::set_allow_tf32(true)?;
+        }
+        Ok(())
+    }
+
+    fn end_round(&self, r: &mut Runner) -> Result<()> {
+        if let Runner::Amp { net, session, full_size, .. } = r {
+            if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
+                drop(opt);
+                *net = Some(model.into_inner());
+                drop(amp);
+            }
+            if *full_size {
+                diagnostics::set_master_grad_slice(self.saved_slice.get());
+            }
+        }
+        diagnostics::set_allow_tf32(false)?;
+        Ok(())
+    }
+
+    /// One training step; phase times go to `phases` when given. Never inlined: profilers
+    /// (`valgrind --tool=callgrind --toggle-collect='*Bench::step*'`) select it by name.
+    #[inline(never)]
+    fn step(&self, r: &mut Runner, x: &Tensor, y: &Tensor, phases: Option<&mut Phases>) -> Result<()> {
+        let d = self.device;
+        let lr = lr(&self.args);
+        match r {
+            Runner::Loop { net, opt, .. } => {
+                let t = now();
+                opt.zero_grad();
+                let t_zero = ms_since(t);
+                let t = now();
+                let loss = net.forward_t(x, true).cross_entropy_for_logits(y);
+                sync(d);
+                let t_fwd = ms_since(t);
+                let t = now();
+                loss.backward();
+                sync(d);
+                let t_bwd = ms_since(t);
+                let t = now();
+                opt.step(lr)?;
+                sync(d);
+                let t_step = ms_since(t);
+                if let Some(p) = phases {
+                    record(p, [("zero_grad", t_zero), ("forward", t_fwd), ("backward", t_bwd), ("step", t_step)]);
+                }
+            }
+            Runner::Amp { session, .. } => {
+                let s = session.as_mut().ok_or_else(|| anyhow!("round not begun"))?;
+                let reads_before = diagnostics::host_reads();
+                let t = now();
+                s.opt.zero_grad()?;
+                let t_zero = ms_since(t);
+                let t = now();
+                let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
+                sync(d);
+                let t_fwd = ms_since(t);
+                let cast = diagnostics::take_cast_profile()?;
+                let mut t_bwd = 0.0;
+                let t = now();
+                s.amp.scale_loss(&loss, &mut [&mut s.opt], |scaled| {
+                    let t = now();
+                    scaled.backward();
+                    sync(d);
+                    t_bwd = ms_since(t);
+                })?;
+                let t_scale = ms_since(t);
+                let t = now();
+                s.opt.step()?;
+                sync(d);
+                let t_step = ms_since(t);
+                let syncs = diagnostics::host_reads() - reads_before;
+                self.syncs.borrow_mut().push(syncs as f64);
+                if let Some(p) = phases {
+                    record(
+                        p,
+                        [
+                            ("zero_grad", t_zero),
+                            ("forward", t_fwd),
+                            ("backward", t_bwd),
+                            ("unscale", t_scale - t_bwd),
+                            ("step", t_step),
+                        ],
+                    );
+                    record_cast(p, &cast);
+                }
+            }
+            Runner::Torch { .. } => bail!("PyTorch steps run in rounds"),
+        }
+        Ok(())
+    }
+
+    /// One round of `steps` timed steps (after one untimed step): per-step milliseconds.
+    fn round(
+        &mut self,
+        r: &mut Runner,
+        x: &Tensor,
+        y: &Tensor,
+        steps: usize,
+        mut phases: Option<&mut Phases>,
+    ) -> Result<Vec<f64>> {
+        if let Runner::Torch { workload, mode } = r {
+            let py = self.python.as_mut().ok_or_else(|| anyhow!("PyTorch server not running"))?;
+            let (ms, syncs) = py.run(*workload, mode, steps)?;
+            if let Some(n) = syncs {
+                self.syncs.borrow_mut().push(n);
+            }
+            return Ok(ms);
+        }
+        self.begin_round(r)?;
+        let result = (|| {
+            self.step(r, x, y, None)?;
+            let mut ms = Vec::with_capacity(steps);
+            for _ in 0..steps {
+                let t = now();
+                self.step(r, x, y, phases.as_deref_mut())?;
+                ms.push(ms_since(t));
+            }
+            Ok(ms)
+        })();
+        self.end_round(r)?;
+        result
+    }
+}
+
+fn record<const N: usize>(p: &mut Phases, items: [(&'static str, f64); N]) {
+    for (k, v) in items {
+        p.entry(k).or_default().push(v);
+    }
+}
+
+fn record_cast(p: &mut Phases, c: &CastProfile) {
+    if c.emulated_calls == 0 && c.policy_casts.is_zero() {
+        return;
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    record(
+        p,
+        [
+            ("fwd: O1 policy casts", ms(c.policy_casts)),
+            ("fwd: emulated inputs to fp32", ms(c.emulated_inputs)),
+            ("fwd: emulated fp32 ops", ms(c.emulated_ops)),
+            ("fwd: emulated output rounding", ms(c.emulated_outputs)),
+        ],
     );
-    println!("host syncs per step: 1 with dynamic loss scaling (reading the overflow flag), 0 with a static scale");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The PyTorch server (scripts/bench_torch.py --serve).
+
+struct Python {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    version: String,
+}
+
+impl Python {
+    fn start(args: &Args) -> Result<Option<Self>> {
+        let Ok(py) = std::env::var("TCH_AMP_PYTHON") else {
+            eprintln!("(PyTorch rows skipped: TCH_AMP_PYTHON unset; run `make setup`)");
+            return Ok(None);
+        };
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_torch.py");
+        let mut child = Command::new(py)
+            .arg(script)
+            .arg("--serve")
+            .args(["--threads", &tch::get_num_threads().to_string()])
+            .args(["--device", &args.device])
+            .args(["--optimizer", if args.optimizer == Opt::Adam { "adam" } else { "sgd" }])
+            .args(["--adam-kernel", if args.adam_kernel == AdamKernel::Fused { "fused" } else { "single" }])
+            .args(["--clock", if args.clock == Clock::Cpu { "cpu" } else { "wall" }])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting scripts/bench_torch.py")?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no stdin"))?;
+        let mut stdout = BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let ready: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("bench_torch.py did not start: {line:?}"))?;
+        let version = ready["torch"].as_str().unwrap_or("?").to_string();
+        Ok(Some(Self { child, stdin, stdout, version }))
+    }
+
+    /// Per-step milliseconds, and the host syncs per step PyTorch's sync debug mode counted
+    /// (CUDA only).
+    fn run(&mut self, w: Workload, mode: &str, steps: usize) -> Result<(Vec<f64>, Option<f64>)> {
+        writeln!(self.stdin, "run {} {mode} {steps}", w.name())?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("bench_torch.py: {line:?}"))?;
+        let ms = v["ms"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .ok_or_else(|| anyhow!("bench_torch.py: no times in {line:?}"))?;
+        Ok((ms, v["syncs"].as_f64()))
+    }
+}
+
+impl Drop for Python {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics
+
+fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}
+
+/// Median, min and max.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(v: &[f64]) -> Self {
+        let finite = || v.iter().copied().filter(|x| x.is_finite());
+        Self {
+            median: median(v),
+            min: finite().fold(f64::INFINITY, f64::min),
+            max: finite().fold(f64::NEG_INFINITY, f64::max),
+        }
+    }
+    fn show(&self, digits: usize) -> String {
+        format!("{:.d$} [{:.d$}–{:.d$}]", self.median, self.min, self.max, d = digits)
+    }
+}
+
+/// The large fp32 GEMM whose rate is this run's "peak": GFLOP/s of the fastest of 3.
+fn gemm_gflops(device: Device, n: i64) -> f64 {
+    if n <= 0 {
+        return f64::NAN;
+    }
+    let a = Tensor::randn([n, n], (Kind::Float, device));
+    let b = Tensor::randn([n, n], (Kind::Float, device));
+    let _ = a.mm(&b);
+    sync(device);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = now();
+        let _ = a.mm(&b);
+        sync(device);
+        best = best.min(ms_since(t) / 1e3);
+    }
+    2.0 * (n as f64).powi(3) / best / 1e9
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory
+
+/// Peak bytes per parameter from the end of backward to the end of `step` (the unscale, the
+/// master gradients and the update), measured with the counting allocator: everything
+/// allocated since the model was made (`base`: the bytes held before) and still held then.
+fn measure_memory(
+    bench: &Bench,
+    r: &mut Runner,
+    x: &Tensor,
+    y: &Tensor,
+    base: i64,
+) -> Result<Option<(f64, f64, f64)>> {
+    let Runner::Amp { .. } = r else { return Ok(None) };
+    bench.begin_round(r)?;
+    let out = (|| {
+        let Runner::Amp { session: Some(s), .. } = r else { bail!("round not begun") };
+        for _ in 0..2 {
+            s.opt.zero_grad()?;
+            let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
+            s.amp.scale_loss(&loss, &mut [&mut s.opt], |l| l.backward())?;
+            s.opt.step()?;
+        }
+        s.opt.zero_grad()?;
+        let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
+        s.amp.scale_loss(&loss, &mut [&mut s.opt], |l| {
+            l.backward();
+            // What scale_loss does next; the peak starts after it.
+            let _ = tch_amp::cast::clear_cast_cache();
+            let _ = diagnostics::reset_cpu_memory_peak();
+        })?;
+        let state = s.opt.memory();
+        // Everything allocated since this model was made counts (the batch is older).
+        let other = base;
+        s.opt.step()?;
+        let after = diagnostics::cpu_memory()?;
+        let params = state.params.max(1) as f64;
+        let between = s.opt.memory().total() as f64 / params;
+        Ok(Some(((after.peak - other) as f64 / params, state.bytes_per_param(), between)))
+    })();
+    bench.end_round(r)?;
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[derive(serde::Serialize)]
+struct RowOut {
+    label: String,
+    ms: Spread,
+    vs_loop: Spread,
+    vs_o0: Option<Spread>,
+    gflops: f64,
+    fraction_of_gemm_peak: f64,
+    steps_per_round: usize,
+    phases: BTreeMap<&'static str, f64>,
+    memory_peak_bytes_per_param: Option<f64>,
+    memory_at_step_bytes_per_param: Option<f64>,
+    memory_between_steps_bytes_per_param: Option<f64>,
+    /// tch-amp rows: host reads of device values per step (syncs on CUDA); PyTorch rows on
+    /// CUDA: syncs its sync debug mode counted.
+    host_syncs_per_step: Option<f64>,
+}
+
+#[derive(serde::Serialize)]
+struct WorkloadOut {
+    workload: Workload,
+    description: &'static str,
+    gflop_per_step: f64,
+    rows: Vec<RowOut>,
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(Device::Cuda(n)),
+            None => bail!("--device: expected cpu, cuda or cuda:N, got {other:?}"),
+        },
+    }
+}
+
+fn libtorch_version() -> String {
+    let Ok(dir) = std::env::var("LIBTORCH") else { return "?".into() };
+    std::fs::read_to_string(PathBuf::from(dir).join("version.py"))
+        .ok()
+        .and_then(|t| {
+            t.lines().find(|l| l.starts_with("__version__")).and_then(|l| l.split(['\'', '"']).nth(1)).map(String::from)
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = parse_device(&args.device)?;
+    let cuda = device != Device::Cpu;
+    if cuda && !tch::Cuda::is_available() {
+        bail!("--device {}: no CUDA device here (tch::Cuda::is_available() is false)", args.device);
+    }
+    if let Some(t) = args.threads {
+        tch::set_num_threads(t);
+    }
+    if args.steps == 0 || args.rounds == 0 {
+        bail!("--steps and --rounds must be at least 1");
+    }
+    diagnostics::set_cast_profiling(args.phases)?;
+    if let Some(n) = args.master_grad_slice {
+        diagnostics::set_master_grad_slice(n);
+    }
+    if args.clock == Clock::Cpu {
+        if tch::get_num_threads() != 1 {
+            bail!("--clock cpu measures the calling thread only: use it with --threads 1");
+        }
+        CPU_CLOCK.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    let python = if args.no_python { None } else { Python::start(&args)? };
+    let cpu = CpuFeatures::detect();
+    println!("# tch-amp training-step benchmark");
+    println!();
+    println!("- device: {}{}", args.device, if cuda { "" } else { " (CPU)" });
+    println!("- CPU: {} ({} physical cores): {}", cpu.name, cpu.physical_cores, cpu.summary());
+    println!(
+        "- CpuKernels::Auto chooses: fp16 {:?}, bf16 {:?}",
+        cpu.auto_choice(Kind::Half),
+        cpu.auto_choice(Kind::BFloat16)
+    );
+    println!("- threads: {} (libtorch intra-op, both in tch and PyTorch)", tch::get_num_threads());
+    println!(
+        "- versions: tch-amp {}, tch 0.26.0, libtorch {}, PyTorch {}",
+        env!("CARGO_PKG_VERSION"),
+        libtorch_version(),
+        python.as_ref().map_or("(not run)".to_string(), |p| p.version.clone())
+    );
+    println!(
+        "- optimizer: {:?}{}; loss scaling as each opt level defaults to (O1/O2 fp16: dynamic; O3 and bf16: static 1)",
+        args.optimizer,
+        if args.optimizer == Opt::Adam { format!(" ({:?} kernel)", args.adam_kernel) } else { String::new() }
+    );
+    println!(
+        "- {} round(s) x {} timed step(s) per configuration, after {} warm-up step(s); figures: median over rounds [min–max]; clock: {}",
+        args.rounds,
+        args.steps,
+        args.warmup,
+        if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
+    );
+    let mut bench =
+        Bench { args, device, python, saved_slice: std::cell::Cell::new(0), syncs: std::cell::RefCell::new(Vec::new()) };
+    let mut out = Vec::new();
+    let mut gemm_rates: Vec<f64> = Vec::new();
+    for &w in &bench.args.workloads.clone() {
+        let (x, y) = data(w, device);
+        let cfgs = configs(&bench.args, cuda, bench.python.is_some());
+        let mut runners: Vec<Runner> = cfgs.iter().map(|&c| bench.make_runner(w, c)).collect::<Result<_>>()?;
+        // Warm-up, and the slow configurations (one timed step per round).
+        let mut warm_ms = Vec::new();
+        for r in runners.iter_mut() {
+            let ms = bench.round(r, &x, &y, bench.args.warmup.max(1), None)?;
+            warm_ms.push(*ms.last().unwrap_or(&f64::NAN));
+        }
+        let base_warm = warm_ms[0];
+        let steps: Vec<usize> = warm_ms
+            .iter()
+            .map(|&m| if m > bench.args.slow_factor * base_warm { 1 } else { bench.args.steps })
+            .collect();
+        let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
+        let mut phases: Vec<Phases> = vec![Phases::new(); runners.len()];
+        let mut syncs: Vec<Vec<f64>> = vec![Vec::new(); runners.len()];
+        for round in 0..bench.args.rounds {
+            gemm_rates.push(gemm_gflops(device, bench.args.gemm_size));
+            for (i, r) in runners.iter_mut().enumerate() {
+                let want = bench.args.phases.then_some(&mut phases[i]);
+                bench.syncs.borrow_mut().clear();
+                let ms = bench.round(r, &x, &y, steps[i], want)?;
+                per_round[i].push(median(&ms));
+                syncs[i].extend(bench.syncs.borrow().iter().copied());
+            }
+            eprintln!("{}: round {}/{} done", w.name(), round + 1, bench.args.rounds);
+        }
+        let gemm = median(&gemm_rates);
+        let flops = flops_per_step(w);
+        let o0 = cfgs.iter().position(|c| matches!(c, Config::Amp { level: OptLevel::O0, .. }));
+        let mut rows = Vec::new();
+        for (i, c) in cfgs.iter().enumerate() {
+            let ratio =
+                |base: usize| -> Vec<f64> { per_round[i].iter().zip(&per_round[base]).map(|(a, b)| a / b).collect() };
+            let ms = Spread::of(&per_round[i]);
+            let gflops = flops / (ms.median / 1e3) / 1e9;
+            let memory = if bench.args.memory && !cuda && matches!(c, Config::Amp { .. }) {
+                // A fresh model and optimizer, made after the counter is installed, so that
+                // the counter sees all of their tensors.
+                diagnostics::track_cpu_memory()?;
+                let base = diagnostics::cpu_memory()?.current;
+                let mut fresh = bench.make_runner(w, *c)?;
+                measure_memory(&bench, &mut fresh, &x, &y, base)?
+            } else {
+                None
+            };
+            rows.push(RowOut {
+                label: c.label(cuda),
+                ms,
+                vs_loop: Spread::of(&ratio(0)),
+                vs_o0: o0.map(|o| Spread::of(&ratio(o))),
+                gflops,
+                fraction_of_gemm_peak: gflops / gemm,
+                steps_per_round: steps[i],
+                phases: phases[i].iter().map(|(k, v)| (*k, median(v))).collect(),
+                memory_peak_bytes_per_param: memory.map(|m| m.0),
+                memory_at_step_bytes_per_param: memory.map(|m| m.1),
+                memory_between_steps_bytes_per_param: memory.map(|m| m.2),
+                host_syncs_per_step: (!syncs[i].is_empty()).then(|| median(&syncs[i])),
+            });
+        }
+        print_workload(w, flops, gemm, &rows, &bench.args);
+        out.push(WorkloadOut { workload: w, description: w.describe(), gflop_per_step: flops / 1e9, rows });
+    }
+    print_goals(&out);
+    if let Some(path) = &bench.args.json {
+        let json = serde_json::json!({
+            "cpu": { "name": cpu.name, "summary": cpu.summary() },
+            "threads": tch::get_num_threads(),
+            "gemm_gflops": Spread::of(&gemm_rates),
+            "args": &bench.args,
+            "workloads": out,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn print_workload(w: Workload, flops: f64, gemm: f64, rows: &[RowOut], args: &Args) {
+    println!();
+    println!("## {}: {}", w.name(), w.describe());
+    println!();
+    println!(
+        "{:.2} GFLOP per step (GEMMs and convolutions, forward and backward); fp32 GEMM peak of this run: {gemm:.0} GFLOP/s ({n}^3 mm, best of 3 per round, median of rounds)",
+        flops / 1e9,
+        n = args.gemm_size
+    );
+    println!();
+    println!("| configuration | ms/step | time vs fp32 tch loop | time vs O0 | fraction of fp32 GEMM peak | notes |");
+    println!("|---|---:|---:|---:|---:|---|");
+    for r in rows {
+        let mut notes = Vec::new();
+        if r.steps_per_round == 1 && args.steps > 1 {
+            notes.push("slow: 1 timed step per round".to_string());
+        }
+        if let Some(n) = r.host_syncs_per_step {
+            notes.push(format!("{n} host sync(s)/step"));
+        }
+        if let (Some(peak), Some(at)) = (r.memory_peak_bytes_per_param, r.memory_at_step_bytes_per_param) {
+            notes.push(format!("peak {peak:.2} B/param measured ({at:.0} counted at step)"));
+        }
+        println!(
+            "| {} | {} | {} | {} | {:.3} | {} |",
+            r.label,
+            r.ms.show(2),
+            r.vs_loop.show(3),
+            r.vs_o0.map_or("-".into(), |s| s.show(3)),
+            r.fraction_of_gemm_peak,
+            notes.join("; ")
+        );
+    }
+    if args.phases {
+        let names: Vec<&'static str> = {
+            let mut n: Vec<&'static str> = rows.iter().flat_map(|r| r.phases.keys().copied()).collect();
+            n.sort();
+            n.dedup();
+            n
+        };
+        println!();
+        println!("Where a step's time goes (ms, median over all timed steps):");
+        println!();
+        println!("| configuration | {} |", names.join(" | "));
+        println!("|---|{}", "---:|".repeat(names.len()));
+        for r in rows.iter().filter(|r| !r.phases.is_empty()) {
+            let cells: Vec<String> =
+                names.iter().map(|n| r.phases.get(n).map_or("-".into(), |v| format!("{v:.2}"))).collect();
+            println!("| {} | {} |", r.label, cells.join(" | "));
+        }
+    }
+}
+
+fn print_goals(out: &[WorkloadOut]) {
+    println!();
+    println!("## Goals (median ratio per round [min–max])");
+    println!();
+    println!("| goal | workload | measured | met |");
+    println!("|---|---|---:|---|");
+    for w in out {
+        let find = |label: &str| w.rows.iter().find(|r| r.label.starts_with(label));
+        if let Some(o0) = find("tch-amp O0") {
+            println!(
+                "| O0 <= 1.02x the hand-written fp32 loop (same update) | {} | {} | {} |",
+                w.workload.name(),
+                o0.vs_loop.show(3),
+                if o0.vs_loop.median <= 1.02 { "yes" } else { "no" }
+            );
+        }
+        for (label, goal) in [("tch-amp O2 fp16 (emulated", 1.10), ("tch-amp O1 fp16 (emulated", 1.05)] {
+            if let Some(r) = find(label) {
+                let s = r.vs_o0.expect("O0 row");
+                println!(
+                    "| {} <= {goal:.2}x O0 | {} | {} | {} |",
+                    &label["tch-amp ".len()..label.len() - 1],
+                    w.workload.name(),
+                    s.show(3),
+                    if s.median <= goal { "yes" } else { "no" }
+                );
+            }
+        }
+    }
 }

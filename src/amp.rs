@@ -8,7 +8,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, TchError, Tensor};
 
 use crate::cast::disable::without_casts;
-use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, PolicyHandle};
+use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, CpuFeatures, PolicyHandle};
 use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
@@ -71,7 +71,7 @@ impl CastRuntime {
             (p.cast_policy().clone(), settings, devices)
         } else {
             match plan.model_cast {
-                Some((k @ (Kind::Half | Kind::BFloat16), _)) if settings.emulate_low_precision_on_cpu => {
+                Some((k @ (Kind::Half | Kind::BFloat16), _)) if settings.emulates(k) => {
                     (CastPolicy::emulation_only(), settings.low_precision_dtype(k), vec![Device::Cpu])
                 }
                 _ => return Ok(None),
@@ -130,8 +130,8 @@ pub struct Amp {
 impl Amp {
     /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, activates the
     /// cast policy on this thread (CPU, and CUDA when available) for as long as the `Amp`
-    /// lives. Under O2/O3 with an fp16/bf16 model and CPU emulation on (the default), the
-    /// emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
+    /// lives. Under O2/O3 with an fp16/bf16 model whose type is emulated on this CPU (see
+    /// [`crate::CpuKernels`]), the emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
     /// cast engine registers its kernels with libtorch, once for the process.
     ///
     /// # Errors
@@ -151,6 +151,14 @@ impl Amp {
         let last_overflows = vec![None; scalers.len()];
         if props.verbosity() >= 2 {
             println!("tch-amp: {props:?}");
+            let s = props.cast_settings();
+            println!(
+                "tch-amp: CPU fp16/bf16 GEMMs and convolutions: fp16 {:?}, bf16 {:?} (CPU {:?}: {})",
+                s.cpu_fp16,
+                s.cpu_bf16,
+                CpuFeatures::detect().name,
+                CpuFeatures::detect().summary()
+            );
         }
         let casts = CastRuntime::for_properties(&props, plan)?;
         Ok(Self {
@@ -523,7 +531,10 @@ impl Amp {
     /// Runs the user's backward with the cast policy off on this thread, so that backward ops
     /// (on CUDA, also those on autograd's device threads, which inherit autocast's state) are
     /// never cast: as under Apex, backward runs in the dtypes the forward's casts gave it.
-    /// Under O1 the weight-cast cache is emptied afterwards, as Apex did at each exit.
+    /// The weight-cast cache is emptied afterwards, as Apex did at each exit under O1; under
+    /// O2/O3 with CPU emulation it holds the fp32 copies of the fp16 weights the forward made,
+    /// which the step is about to change (keeping them would hold 4 more bytes per parameter
+    /// through the step).
     fn run_backward(
         &self,
         backward: impl FnOnce(&Tensor) -> std::result::Result<(), TchError>,
@@ -534,7 +545,7 @@ impl Amp {
         } else {
             backward(loss).ctx("backward")
         };
-        if self.plan.o1 {
+        if self.casts.is_some() {
             clear_cast_cache()?;
         }
         result
@@ -547,9 +558,13 @@ impl Amp {
         let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
         let inv_scale = Tensor::f_full([1], 1.0 / scale, (Kind::Float, device)).ctx("inv_scale")?;
         for o in optimizers.iter_mut() {
-            o.end_backward(&found_inf, &inv_scale)?;
+            o.end_backward(&found_inf, &inv_scale, scale)?;
         }
-        Ok(dynamic && found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
+        if !dynamic {
+            return Ok(false);
+        }
+        crate::diagnostics::note_host_read();
+        Ok(found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
 
     /// Updates the scaler of `loss_id`; on a skip, every optimizer skips its next step and

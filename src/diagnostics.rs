@@ -57,3 +57,142 @@ pub fn check_aten_op(name: &str) -> Result<()> {
 pub fn gradient_scans() -> u64 {
     crate::optim::gradient_scans()
 }
+
+/// Bytes held by libtorch's CPU allocator since [`track_cpu_memory`] wrapped it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuMemory {
+    /// Bytes allocated and not yet freed.
+    pub current: i64,
+    /// The most held at once since the last [`reset_cpu_memory_peak`] (or since tracking began).
+    pub peak: i64,
+}
+
+/// Wraps libtorch's CPU allocator in a counting one, for the rest of the process (the first call
+/// installs it; later calls do nothing). Only tensors allocated afterwards are counted. Each
+/// allocation then costs a mutex and a hash-map update: for tests and benchmarks, not training.
+///
+/// # Errors
+/// [`AmpError::Shim`] if libtorch's allocator cannot be wrapped.
+pub fn track_cpu_memory() -> Result<()> {
+    crate::sys::cpu::cpu_memory_tracking_install()
+}
+
+/// The counting allocator's current and peak bytes (zeros before [`track_cpu_memory`]).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the counters cannot be read (not expected).
+pub fn cpu_memory() -> Result<CpuMemory> {
+    let (current, peak) = crate::sys::cpu::cpu_memory(false)?;
+    Ok(CpuMemory { current, peak })
+}
+
+/// Reads the counters like [`cpu_memory`], then starts a new peak from the current value.
+///
+/// # Errors
+/// As [`cpu_memory`].
+pub fn reset_cpu_memory_peak() -> Result<CpuMemory> {
+    let (current, peak) = crate::sys::cpu::cpu_memory(true)?;
+    Ok(CpuMemory { current, peak })
+}
+
+/// Where the cast kernels of the calling thread spent their time since the last
+/// [`take_cast_profile`], while [`set_cast_profiling`] was on. Backward ops are not cast and
+/// not counted (autograd runs the casts' backward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CastProfile {
+    /// O1's policy casts (including weight-cast cache hits).
+    pub policy_casts: std::time::Duration,
+    /// Emulated ops: converting their fp16/bf16 inputs to fp32.
+    pub emulated_inputs: std::time::Duration,
+    /// Emulated ops: the fp32 op itself.
+    pub emulated_ops: std::time::Duration,
+    /// Emulated ops: rounding their outputs to fp16/bf16.
+    pub emulated_outputs: std::time::Duration,
+    /// Number of emulated calls.
+    pub emulated_calls: u64,
+}
+
+/// Turns the cast kernels' phase timers on or off (for every thread).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the engine cannot be reached (not expected).
+pub fn set_cast_profiling(on: bool) -> Result<()> {
+    crate::sys::cast::set_profiling(on)
+}
+
+/// The calling thread's [`CastProfile`] since the last call; resets it.
+///
+/// # Errors
+/// As [`set_cast_profiling`].
+pub fn take_cast_profile() -> Result<CastProfile> {
+    let [cast, inputs, op, outputs, calls] = crate::sys::cast::take_profile()?;
+    let d = |ns: i64| std::time::Duration::from_nanos(ns.max(0) as u64);
+    Ok(CastProfile {
+        policy_casts: d(cast),
+        emulated_inputs: d(inputs),
+        emulated_ops: d(op),
+        emulated_outputs: d(outputs),
+        emulated_calls: calls.max(0) as u64,
+    })
+}
+
+/// One Adam update (`adamw == false`) or AdamW update of `params` with libtorch's fused CPU/CUDA
+/// kernel (`torch._fused_adam_`, what `torch.optim.Adam(fused=True)` runs), in place on
+/// `params`, `exp_avgs` and `exp_avg_sqs`; `steps` are 0-dim fp32 tensors holding each
+/// parameter's step count after this update. For hand-written loops that should run the very
+/// update tch-amp runs (the benchmark's baseline).
+///
+/// # Errors
+/// [`AmpError::Shim`] when the lists differ in length or libtorch rejects the tensors.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_adam_(
+    params: &[tch::Tensor],
+    grads: &[tch::Tensor],
+    exp_avgs: &[tch::Tensor],
+    exp_avg_sqs: &[tch::Tensor],
+    steps: &[tch::Tensor],
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    weight_decay: f64,
+    eps: f64,
+    adamw: bool,
+) -> Result<()> {
+    let args = crate::sys::FusedAdamArgs { params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: &[], steps };
+    crate::sys::fused_adam_(&args, lr, (beta1, beta2), weight_decay, eps, false, adamw, false)
+}
+
+/// Sets libtorch's TF32 switches for CUDA matmuls and cuDNN convolutions (PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`); no effect
+/// on CPU computations.
+///
+/// # Errors
+/// [`AmpError::Shim`] if libtorch refuses (not expected).
+pub fn set_allow_tf32(on: bool) -> Result<()> {
+    crate::sys::set_allow_tf32(on)
+}
+
+/// Sets the largest slice (elements) of an fp32 master gradient that O2's `step` makes at once
+/// from the model's fp16 gradient (default 64 Ki); 0 turns the slice-wise path off, so that
+/// every master gradient is made full-size at `scale_loss` exit (18 bytes per parameter at the
+/// peak with Adam instead of 16). Process-wide; returns the previous value. For tests and
+/// benchmarks.
+pub fn set_master_grad_slice(elements: i64) -> i64 {
+    crate::optim::set_master_grad_slice(elements)
+}
+
+static HOST_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts one read of a tensor value into host memory by tch-amp (on CUDA: a host sync).
+pub(crate) fn note_host_read() {
+    HOST_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many times tch-amp has read a tensor value into host memory in this process (every
+/// thread): the overflow flag of a dynamic `scale_loss`, the norm `clip_grad_norm` returns,
+/// the finiteness check of each tensor of an optimizer record being loaded. On CUDA each is a
+/// host sync; a training step with dynamic loss scaling makes exactly one, with a static
+/// scale none. The benchmark reads the difference around each step.
+pub fn host_reads() -> u64 {
+    HOST_READS.load(std::sync::atomic::Ordering::Relaxed)
+}

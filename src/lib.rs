@@ -56,7 +56,7 @@
 //! - **Configuration** (`src/config/`): [`AmpConfig`], [`OptLevel`] (and
 //!   [`ParseOptLevelError`]), [`LevelDefaults`] (a row of Apex's table, from `opt_levels/`),
 //!   [`LossScale`], [`Properties`] (the resolved options), [`CastSettings`] (the cast engine's
-//!   switches).
+//!   switches), [`CpuKernels`] (native or emulated fp16/bf16 GEMMs on CPU).
 //! - **Set-up** (`src/amp.rs`, `src/model.rs`): [`initialize`], [`Amp`], [`AmpModel`],
 //!   [`CastReport`].
 //! - **Loss scaling** (`src/scaling/`): [`Amp::scale_loss`] with [`ScaleLossOptions`] and
@@ -113,6 +113,7 @@ pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
 pub use cast::settings::CastSettings;
+pub use cast::CpuKernels;
 pub use cast::DisableCastsGuard;
 pub use checkpoint::{load_checkpoint, load_model_weights, load_optimizer_state, save_checkpoint, LoadReport};
 pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};

@@ -158,25 +158,28 @@ fn step_log_writes_json_lines() {
 #[test]
 fn plot_writes_a_png_with_and_without_text() {
     let dir = TempDir::new().unwrap();
-    let series = vec![
-        common::plot::Series {
-            name: "O0".into(),
-            losses: vec![2.3, 1.5, 1.0, f64::NAN],
-            scales: vec![1.0; 4],
-            color: 0,
-        },
-        common::plot::Series {
-            name: "O2".into(),
-            losses: vec![2.3, 1.6, 1.1, 0.9],
-            scales: vec![65536.0, 32768.0, 32768.0, 32768.0],
-            color: 2,
-        },
+    let level = |name: &str, color: usize, scales: Vec<f64>, acc: f64, secs: f64| common::plot::LevelSummary {
+        name: name.into(),
+        color,
+        losses: vec![2.3, 1.5, 1.0 + color as f64 * 0.01, f64::NAN],
+        scales,
+        test_accuracy: acc,
+        seconds_per_epoch: secs,
+        time_vs_o0: Some(secs / 7.0),
+        state_bytes: [1000, 1000, 2000 * (color == 2) as u64, 1000],
+    };
+    let levels = vec![
+        level("O0", 0, vec![1.0; 4], 89.3, 7.0),
+        level("O2", 2, vec![65536.0, 32768.0, 32768.0, 32768.0], 89.4, 6.5),
     ];
     let bare = dir.path().join("bare.png");
-    assert!(!common::plot::plot(&bare, "t", &series, false).unwrap());
+    assert!(!common::plot::plot_levels(&bare, "t", &levels, false).unwrap());
     let auto = dir.path().join("auto.png");
-    let text = common::plot::plot_auto(&auto, "t", &series).unwrap();
-    for p in [&bare, &auto] {
+    let text = common::plot::plot_levels_auto(&auto, "t", &levels).unwrap();
+    // No level's scale moves: the panel says so in text instead.
+    let flat = dir.path().join("flat.png");
+    common::plot::plot_levels_auto(&flat, "t", &levels[..1]).unwrap();
+    for p in [&bare, &auto, &flat] {
         let b = std::fs::read(p).unwrap();
         assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{}", p.display());
     }
@@ -365,10 +368,13 @@ fn fashion_mnist_compares_the_levels_asked_for() {
     check_log(&lines, 0, 8);
     let levels: Vec<&str> = lines.iter().map(|l| l["level"].as_str().unwrap()).collect();
     assert_eq!(levels, ["O0", "O0", "O0", "O0", "O2", "O2", "O2", "O2"]);
-    // The table has one row per level, O0 first with ratio 1.00x.
+    // The table has one row per level, O0 first with time vs O0 1.00x, and says what the
+    // GEMMs computed in (O2: fp16, native or emulated as CpuKernels::Auto chose).
+    assert!(stdout.contains("time vs O0"), "{stdout}");
     let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ")).collect();
     assert_eq!(rows.len(), 2, "{stdout}");
-    assert!(rows[0].contains("1.00x"), "{stdout}");
+    assert!(rows[0].contains("1.00x") && rows[0].contains("fp32"), "{stdout}");
+    assert!(rows[1].contains("fp16 emulated") || rows[1].contains("fp16 native"), "{stdout}");
     let record: Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
     let results = record["results"].as_array().unwrap();
@@ -379,6 +385,7 @@ fn fashion_mnist_compares_the_levels_asked_for() {
         assert!(r["test"]["top1"].as_f64().is_some_and(|a| (0.0..=100.0).contains(&a)), "{r}");
         assert!(r["memory_total"].as_u64().unwrap() > 0);
         assert_eq!(r["losses"].as_array().unwrap().len(), 4);
+        assert!(r["time_vs_o0"].as_f64().is_some_and(|x| x > 0.0), "{r}");
     }
     assert!(results[1]["memory"]["masters"].as_u64().unwrap() > 0, "O2 keeps fp32 masters");
     assert_eq!(results[0]["final_loss_scale"], 1.0, "O0: static scale 1");

@@ -98,7 +98,14 @@ pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<Poli
     for device in [Device::Cpu, Device::Cuda(0)] {
         owned.extend(policy.resolve(device)?.into_iter().map(|(op, cast)| (device, cast.engine_category(), op)));
     }
-    if settings.emulate_low_precision_on_cpu {
+    let mut emulate_dtypes = 0;
+    if settings.emulates(Kind::Half) {
+        emulate_dtypes |= engine::EMULATE_HALF;
+    }
+    if settings.emulates(Kind::BFloat16) {
+        emulate_dtypes |= engine::EMULATE_BFLOAT16;
+    }
+    if emulate_dtypes != 0 {
         owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
     }
     let first = STANDARD_REGISTERED.get().is_none();
@@ -106,11 +113,11 @@ pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<Poli
         owned.extend(standard_ops()?.into_iter().map(|(device, op)| (device, EngineCategory::Passthrough, op)));
     }
     let entries: Vec<PolicyEntry<'_>> = owned.iter().map(|(d, c, op)| (*d, *c, op.as_str())).collect();
-    let ptr = engine::install(&entries, settings.allow_banned)?;
+    let ptr = engine::install(&entries, settings.allow_banned, emulate_dtypes)?;
     if first {
         let _ = STANDARD_REGISTERED.set(());
     }
-    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings }) })
+    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings: settings.resolved() }) })
 }
 
 impl PolicyHandle {

@@ -38,13 +38,15 @@
 //! - The weight-cast cache recasts a weight changed in place, is correct after `no_grad`
 //!   evaluation and supports a weight used twice in one forward.
 //! - bf16 can be the low-precision type ([`crate::CastSettings::low_precision_dtype`]).
-//! - On CPU, fp16/bf16 GEMMs and convolutions are emulated in fp32 by default
-//!   ([`crate::CastSettings::emulate_low_precision_on_cpu`]).
+//! - On CPU, fp16/bf16 GEMMs and convolutions run libtorch's native kernels where the CPU has
+//!   fast ones for the type and are emulated in fp32 elsewhere ([`crate::CpuKernels`],
+//!   [`CpuFeatures`]).
 //! - Errors raised inside the dispatcher reach the caller as tch errors;
 //!   [`classify_torch_error`] turns them into [`crate::AmpError::BannedOp`] and
 //!   [`crate::AmpError::InPlaceFp32OnHalf`].
 mod autocast;
 mod cache;
+pub(crate) mod cpu;
 pub(crate) mod disable;
 pub(crate) mod emulation;
 mod engine;
@@ -55,6 +57,7 @@ pub(crate) mod settings;
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
+pub use cpu::{CpuFeatures, CpuKernels};
 pub use disable::DisableCastsGuard;
 pub use engine::{install_policy, ActivePolicyGuard, PolicyHandle};
 pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};

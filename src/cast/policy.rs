@@ -174,7 +174,7 @@ impl CastPolicy {
     }
 
     /// A policy with no cast lists: under it only the CPU low-precision emulation acts (see
-    /// [`crate::CastSettings::emulate_low_precision_on_cpu`]). For O2/O3 models on CPU, whose weights already are
+    /// [`crate::CpuKernels`]). For O2/O3 models on CPU, whose weights already are
     /// fp16/bf16.
     pub fn emulation_only() -> Self {
         Self { name: "emulation-only".to_string(), ..Self::default() }

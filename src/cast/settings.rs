@@ -2,14 +2,18 @@
 //! setters, carried by [`crate::Properties`] and handed to [`crate::cast::install_policy`].
 use tch::Kind;
 
+use super::cpu::{resolve, CpuKernels};
+
 /// How an installed [`crate::CastPolicy`] behaves.
 ///
 /// ```
 /// use tch::Kind;
-/// use tch_amp::CastSettings;
+/// use tch_amp::{CastSettings, CpuKernels};
 /// let bf16 = CastSettings::default().low_precision_dtype(Kind::BFloat16).allow_banned(true);
 /// assert_eq!(bf16.low_precision_dtype, Kind::BFloat16);
-/// assert!(bf16.emulate_low_precision_on_cpu);
+/// assert_eq!(bf16.cpu_bf16, CpuKernels::Auto); // decided from the CPU when installed
+/// let emulated = bf16.cpu_kernels(CpuKernels::Emulate);
+/// assert!(emulated.emulates(Kind::BFloat16) && emulated.emulates(Kind::Half));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CastSettings {
@@ -19,18 +23,22 @@ pub struct CastSettings {
     /// Run banned ops (binary_cross_entropy) in fp32 instead of refusing fp16/bf16 inputs;
     /// Apex's `allow_banned`.
     pub allow_banned: bool,
-    /// Emulate fp16/bf16 GEMMs and convolutions on the CPU: compute in fp32 from the rounded
-    /// inputs and round the outputs (`opt_levels/emulate_cpu.toml` lists the ops and states the
-    /// numerical contract). On by default: a CPU without fp16/bf16 matrix units runs native
-    /// fp16 GEMMs 50-170x slower than fp32 and gets the same rounding this way. Off gives
-    /// libtorch's native low-precision kernels. Has no effect on CUDA.
-    pub emulate_low_precision_on_cpu: bool,
+    /// How fp16 GEMMs and convolutions run on the CPU ([`CpuKernels`]; `Auto` by default). In
+    /// the [`crate::Properties`] of an `initialize`, `Auto` is already resolved.
+    pub cpu_fp16: CpuKernels,
+    /// How bf16 GEMMs and convolutions run on the CPU, as [`CastSettings::cpu_fp16`].
+    pub cpu_bf16: CpuKernels,
 }
 
 impl Default for CastSettings {
-    /// fp16, banned ops refused, CPU emulation on.
+    /// fp16, banned ops refused, CPU kernels chosen from the CPU.
     fn default() -> Self {
-        Self { low_precision_dtype: Kind::Half, allow_banned: false, emulate_low_precision_on_cpu: true }
+        Self {
+            low_precision_dtype: Kind::Half,
+            allow_banned: false,
+            cpu_fp16: CpuKernels::Auto,
+            cpu_bf16: CpuKernels::Auto,
+        }
     }
 }
 
@@ -47,9 +55,45 @@ impl CastSettings {
         self
     }
 
-    /// Sets [`CastSettings::emulate_low_precision_on_cpu`].
-    pub fn emulate_low_precision_on_cpu(mut self, emulate: bool) -> Self {
-        self.emulate_low_precision_on_cpu = emulate;
+    /// Sets how both fp16 and bf16 GEMMs and convolutions run on the CPU.
+    pub fn cpu_kernels(mut self, mode: CpuKernels) -> Self {
+        self.cpu_fp16 = mode;
+        self.cpu_bf16 = mode;
         self
+    }
+
+    /// Sets how `kind`'s (`Half` or `BFloat16`) GEMMs and convolutions run on the CPU; other
+    /// kinds change nothing.
+    pub fn cpu_kernels_for(mut self, kind: Kind, mode: CpuKernels) -> Self {
+        match kind {
+            Kind::Half => self.cpu_fp16 = mode,
+            Kind::BFloat16 => self.cpu_bf16 = mode,
+            _ => {}
+        }
+        self
+    }
+
+    /// `true`: [`CpuKernels::Emulate`] for both types; `false`: [`CpuKernels::Native`].
+    pub fn emulate_low_precision_on_cpu(self, emulate: bool) -> Self {
+        self.cpu_kernels(if emulate { CpuKernels::Emulate } else { CpuKernels::Native })
+    }
+
+    /// The mode set for `kind` (`Auto` unless set or resolved); `Native` for other kinds.
+    pub fn cpu_kernels_of(&self, kind: Kind) -> CpuKernels {
+        match kind {
+            Kind::Half => self.cpu_fp16,
+            Kind::BFloat16 => self.cpu_bf16,
+            _ => CpuKernels::Native,
+        }
+    }
+
+    /// Whether `kind`'s GEMMs and convolutions are emulated on this CPU (`Auto` resolved).
+    pub fn emulates(&self, kind: Kind) -> bool {
+        resolve(self.cpu_kernels_of(kind), kind) == CpuKernels::Emulate
+    }
+
+    /// These settings with `Auto` replaced by this CPU's choice for each type.
+    pub fn resolved(self) -> Self {
+        Self { cpu_fp16: resolve(self.cpu_fp16, Kind::Half), cpu_bf16: resolve(self.cpu_bf16, Kind::BFloat16), ..self }
     }
 }

@@ -4,7 +4,7 @@ use tch::Kind;
 
 use super::table::parse_dtype;
 use super::{LossScale, OptLevel};
-use crate::cast::CastPolicy;
+use crate::cast::{CastPolicy, CpuKernels};
 use crate::error::{AmpError, Result};
 
 /// `initialize`'s options: an opt level and Apex's overrides. A field left unset means "the
@@ -37,7 +37,8 @@ pub struct AmpConfig {
     pub(super) verbosity: Option<u8>,
     pub(super) low_precision_dtype: Option<Kind>,
     pub(super) allow_banned: Option<bool>,
-    pub(super) emulate_low_precision_on_cpu: Option<bool>,
+    pub(super) cpu_fp16: Option<CpuKernels>,
+    pub(super) cpu_bf16: Option<CpuKernels>,
     pub(super) cast_policy: Option<CastPolicy>,
     pub(super) fp32_optimizer_state: Option<bool>,
     pub(super) hysteresis: Option<u32>,
@@ -212,11 +213,29 @@ impl AmpConfig {
         self.allow_banned = Some(allow);
         self
     }
-    /// Emulate fp16/bf16 GEMMs and convolutions on CPU (default on): compute in fp32 from the
-    /// rounded inputs and round the outputs. `false` uses libtorch's native half kernels.
-    pub fn emulate_low_precision_on_cpu(mut self, on: bool) -> Self {
-        self.emulate_low_precision_on_cpu = Some(on);
+    /// How fp16 and bf16 GEMMs and convolutions run on the CPU (default [`CpuKernels::Auto`]:
+    /// libtorch's native kernels where the CPU has fast ones for the type, see
+    /// [`crate::cast::CpuFeatures::native_is_fast`], the fp32 emulation elsewhere). The choice
+    /// is made at `initialize` and shown by [`crate::Properties::cast_settings`].
+    pub fn cpu_kernels(mut self, mode: CpuKernels) -> Self {
+        self.cpu_fp16 = Some(mode);
+        self.cpu_bf16 = Some(mode);
         self
+    }
+    /// [`Self::cpu_kernels`] for one type (`Kind::Half` or `Kind::BFloat16`; other kinds
+    /// change nothing).
+    pub fn cpu_kernels_for(mut self, kind: Kind, mode: CpuKernels) -> Self {
+        match kind {
+            Kind::Half => self.cpu_fp16 = Some(mode),
+            Kind::BFloat16 => self.cpu_bf16 = Some(mode),
+            _ => {}
+        }
+        self
+    }
+    /// `true`: emulate fp16/bf16 GEMMs and convolutions on CPU in fp32 ([`CpuKernels::Emulate`]);
+    /// `false`: libtorch's native kernels ([`CpuKernels::Native`]). Unset: [`CpuKernels::Auto`].
+    pub fn emulate_low_precision_on_cpu(self, on: bool) -> Self {
+        self.cpu_kernels(if on { CpuKernels::Emulate } else { CpuKernels::Native })
     }
 
     /// Update fp16/bf16 parameters that have no fp32 master (O3, or O2 with

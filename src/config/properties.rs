@@ -2,7 +2,7 @@
 use tch::Kind;
 
 use super::{LossScale, OptLevel};
-use crate::cast::{CastPolicy, CastSettings};
+use crate::cast::{CastPolicy, CastSettings, CpuKernels};
 
 /// Options in force after `initialize`: the opt level's defaults with overrides applied and
 /// Apex's rules checked. Built by [`crate::AmpConfig::build`]; read-only.
@@ -81,10 +81,27 @@ impl Properties {
     pub fn verbosity(&self) -> u8 {
         self.verbosity
     }
-    /// The cast engine's switches: O1's low-precision dtype, `allow_banned`, and the CPU
-    /// emulation of fp16/bf16 GEMMs and convolutions (O1, O2 and O3).
+    /// The cast engine's switches: O1's low-precision dtype, `allow_banned`, and how fp16/bf16
+    /// GEMMs and convolutions run on the CPU (O1, O2 and O3), `Auto` already resolved to
+    /// [`CpuKernels::Native`] or [`CpuKernels::Emulate`] for this CPU.
     pub fn cast_settings(&self) -> CastSettings {
         self.cast_settings
+    }
+    /// The 16-bit type this configuration computes in: O1's low-precision dtype, or the model's
+    /// cast type when it is fp16/bf16; `None` for fp32 training (O0) or a disabled config.
+    pub fn low_precision_kind(&self) -> Option<Kind> {
+        if !self.enabled {
+            return None;
+        }
+        if self.patch_torch_functions {
+            return Some(self.cast_settings.low_precision_dtype);
+        }
+        self.cast_model_type.filter(|k| matches!(k, Kind::Half | Kind::BFloat16))
+    }
+    /// How this configuration's fp16/bf16 GEMMs and convolutions run on the CPU (resolved for
+    /// [`Self::low_precision_kind`]); `None` when it computes in fp32.
+    pub fn cpu_kernels(&self) -> Option<CpuKernels> {
+        self.low_precision_kind().map(|k| self.cast_settings.cpu_kernels_of(k))
     }
     /// The O1 cast policy (Apex's lists unless another was given).
     pub fn cast_policy(&self) -> &CastPolicy {

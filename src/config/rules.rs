@@ -157,8 +157,10 @@ impl AmpConfig {
             cast_settings: CastSettings {
                 low_precision_dtype: low,
                 allow_banned: self.allow_banned.unwrap_or(false),
-                emulate_low_precision_on_cpu: self.emulate_low_precision_on_cpu.unwrap_or(true),
-            },
+                cpu_fp16: self.cpu_fp16.unwrap_or_default(),
+                cpu_bf16: self.cpu_bf16.unwrap_or_default(),
+            }
+            .resolved(),
             cast_policy: self.cast_policy.clone().unwrap_or_else(CastPolicy::apex),
             fp32_optimizer_state: self.fp32_optimizer_state.unwrap_or(false),
             hysteresis,

@@ -1,11 +1,14 @@
 //! The optimizer `initialize` returns: steps the fp32 masters (O2) or the model's own
 //! variables, skips a step after an overflow, clips on the master gradients.
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
 use tch::nn::VarStore;
 
+use super::engine::GradSlice;
 use super::engine::{check_lr, Optimizer, ParamStateBuffers};
 use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
@@ -89,6 +92,40 @@ fn count_scan() {
     GRADIENT_SCANS.with(|c| c.set(c.get() + 1));
 }
 
+/// O2's gradients between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
+/// checked for inf/NaN but not unscaled. `step` turns them into fp32 master gradients a slice
+/// at a time, right before each slice's update, so that no full-size fp32 gradient is ever
+/// held: 16 bytes per parameter at the peak with Adam (2 fp16 weight, 4 master, 2 fp16 grad,
+/// 8 state) instead of 18. Anything that needs the fp32 master gradients before `step`
+/// (clipping, [`AmpOptimizer::master_params`], another `scale_loss` accumulating into them)
+/// makes them all at once, as before.
+#[derive(Debug)]
+struct HalfGrads {
+    /// The fp32 `1 / loss_scale` of the pass that made them.
+    inv_scale: Tensor,
+    /// The loss scale (1: nothing to unscale).
+    scale: f64,
+}
+
+/// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]);
+/// 0 turns the slice-wise path off (every master gradient made full-size at `scale_loss` exit).
+static SLICE_MAX: AtomicI64 = AtomicI64::new(DEFAULT_SLICE_MAX);
+/// 256 Ki elements (1 MiB of fp32 gradient): few slices per parameter (each costs a dozen
+/// small libtorch calls), and a slice's gradient, master and state still fit in L2/L3.
+pub(crate) const DEFAULT_SLICE_MAX: i64 = 1 << 18;
+/// A parameter too small for its own spent storage to hold an aligned slice (under 128
+/// elements) takes a fresh fp32 buffer of its size, at most this.
+const SLICE_MIN: i64 = 1 << 7;
+/// Slices start at multiples of this many elements (see `step_from_half_grads`).
+const SLICE_ALIGN: i64 = 64;
+
+/// Sets the largest slice of a master gradient made at once by O2's `step` (0: off, every
+/// master gradient is made full-size at `scale_loss` exit, the 18-byte path). For tests and
+/// benchmarks; returns the previous value.
+pub(crate) fn set_master_grad_slice(elements: i64) -> i64 {
+    SLICE_MAX.swap(elements.max(0), Ordering::Relaxed)
+}
+
 #[derive(Debug, Clone)]
 struct PendingSkip {
     loss_id: usize,
@@ -159,6 +196,9 @@ pub struct AmpOptimizer {
     /// A `GradientsVanished` collapse to report at the next step.
     vanished: Option<CollapseInfo>,
     last_overflow: Option<OverflowReport>,
+    /// O2: master gradients not made yet (see [`HalfGrads`]); behind a mutex so that
+    /// [`Self::master_params`] (`&self`) can make them.
+    half_grads: Mutex<Option<HalfGrads>>,
     steps: u64,
     skipped: u64,
 }
@@ -214,6 +254,7 @@ impl AmpOptimizer {
             skip_next: None,
             vanished: None,
             last_overflow: None,
+            half_grads: Mutex::new(None),
             steps: 0,
             skipped: 0,
         })
@@ -356,8 +397,46 @@ impl AmpOptimizer {
     /// The parameters this optimizer updates: the fp32 masters for low-precision model
     /// variables under master weights, the model's own variables otherwise (Apex's
     /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
+    ///
+    /// Between `scale_loss` and `step` under O2 this makes the fp32 master gradients (unscaled)
+    /// from the model's fp16 ones, which `step` would otherwise make a slice at a time (see
+    /// [`Self::memory`]); if that fails (out of memory) the masters are returned without them.
     pub fn master_params(&self) -> Vec<Tensor> {
+        let _ = self.make_master_grads();
         self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
+    }
+
+    /// Makes the pending fp32 master gradients of an O2 pass at once: each fp16 model gradient
+    /// is copied to fp32, unscaled and added to its master's (`scale_loss` did this itself
+    /// before the slice-wise step existed). Nothing to do when none are pending.
+    fn make_master_grads(&self) -> Result<()> {
+        let Some(half) = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take()
+        else {
+            return Ok(());
+        };
+        let _no_grad = tch::no_grad_guard();
+        let mut made: Vec<(usize, Tensor)> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            if e.master().is_some() {
+                if let Some(g) = take_grad(e.model())? {
+                    made.push((i, g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?));
+                }
+            }
+        }
+        let grads: Vec<Tensor> = made.iter().map(|(_, g)| g.shallow_clone()).collect();
+        let flag = Tensor::f_zeros([1], (Kind::Float, half.inv_scale.device())).ctx("found_inf")?;
+        unscale_(&grads, &flag, &half.inv_scale)?;
+        for (i, g) in made {
+            let Some(master) = self.entries[i].master() else { continue };
+            let existing = master.grad();
+            if existing.defined() {
+                let mut ex = existing;
+                let _ = ex.f_add_(&g).ctx("accumulating a master gradient")?;
+            } else {
+                set_grad(master, &g)?;
+            }
+        }
+        Ok(())
     }
 
     /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
@@ -366,6 +445,13 @@ impl AmpOptimizer {
     }
 
     /// Bytes held right now by the weights, masters, gradients and optimizer state.
+    ///
+    /// Under O2 the gradients between `scale_loss` and `step` are the model's fp16 ones (2 bytes
+    /// per parameter): `step` unscales each into fp32 a slice of at most 256 Ki elements at a
+    /// time (in storage whose values are spent), updates that slice of the master and rounds it
+    /// into the model, so with Adam the peak is 16 bytes per parameter (2 fp16 weight, 4 master,
+    /// 2 fp16 grad, 8 state) plus the update rule's own temporaries for one slice (none for
+    /// fused Adam; Apex held 20 bytes: it kept fp16 and fp32 gradients).
     pub fn memory(&self) -> MemoryReport {
         let mut r = MemoryReport::default();
         for (e, st) in self.entries.iter().zip(self.inner.states()) {
@@ -400,6 +486,7 @@ impl AmpOptimizer {
         }
         self.stash.iter_mut().for_each(|s| *s = None);
         self.scaled_pending = false;
+        *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? = None;
         Ok(())
     }
 
@@ -438,13 +525,30 @@ impl AmpOptimizer {
         if self.scaled_pending {
             return Err(AmpError::GradientsStillScaled);
         }
-        self.check_gradients()?;
-        if self.setup.disable_casts_in_step {
-            crate::cast::disable::without_casts(|| self.inner.step())??;
+        let pending = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.is_some();
+        self.check_gradients(pending)?;
+        let half = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take();
+        let update = |this: &mut Self| -> Result<()> {
+            // Parameters holding their gradient (fp32 variables, masters whose gradient was
+            // made at once); then the masters whose gradient is still the model's fp16 one.
+            this.inner.step()?;
+            match half {
+                Some(h) => this.step_from_half_grads(&h),
+                None => copy_masters_to_model(&this.entries),
+            }
+        };
+        let result = if self.setup.disable_casts_in_step {
+            crate::cast::disable::without_casts(|| update(self))?
         } else {
-            self.inner.step()?;
+            update(self)
+        };
+        if let Err(e) = result {
+            // A slice-wise step uses spent gradients and not-yet-rounded weights as scratch:
+            // set the model back to the (rounded) masters and drop the gradients.
+            copy_masters_to_model(&self.entries)?;
+            self.zero_grad()?;
+            return Err(e);
         }
-        copy_masters_to_model(&self.entries)?;
         // As Apex: master grads are not reached by zeroing the model's grads, so they are
         // released here (which also frees their memory until the next backward).
         for m in self.entries.iter().filter_map(ParamEntry::master) {
@@ -479,6 +583,7 @@ impl AmpOptimizer {
                 expected: "a positive number or f64::INFINITY",
             });
         }
+        self.make_master_grads()?;
         let grads: Vec<Tensor> =
             self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
         if grads.is_empty() {
@@ -493,6 +598,7 @@ impl AmpOptimizer {
             let mut g = g.shallow_clone();
             let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
         }
+        crate::diagnostics::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")
     }
 
@@ -504,18 +610,23 @@ impl AmpOptimizer {
 
     /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
     /// gradient.
-    fn check_gradients(&self) -> Result<()> {
+    /// `half_pending`: O2's fp16 gradients are waiting for the slice-wise step (see
+    /// [`HalfGrads`]), so fp16 model gradients are expected.
+    fn check_gradients(&self, half_pending: bool) -> Result<()> {
         let stray: Vec<String> = self
             .entries
             .iter()
-            .filter(|e| e.master().is_some() && e.model().grad().defined())
+            .filter(|e| !half_pending && e.master().is_some() && e.model().grad().defined())
             .take(5)
             .map(|e| e.name().to_string())
             .collect();
         if !stray.is_empty() {
             return Err(AmpError::GradientsNotUnscaled { params: stray });
         }
-        if !self.entries.iter().any(|e| e.update_target().grad().defined()) {
+        let has_grad = |e: &ParamEntry| {
+            e.update_target().grad().defined() || (half_pending && e.master().is_some() && e.model().grad().defined())
+        };
+        if !self.entries.iter().any(has_grad) {
             return Err(AmpError::NoGradients);
         }
         Ok(())
@@ -531,7 +642,12 @@ impl AmpOptimizer {
         let mut names = Vec::new();
         let mut counts = Vec::new();
         for e in order {
-            let g = e.update_target().grad();
+            // Under O2's slice-wise step the gradient is still the model's fp16 one (scaled:
+            // the counts of inf and NaN are the same).
+            let mut g = e.update_target().grad();
+            if !g.defined() && e.master().is_some() {
+                g = e.model().grad();
+            }
             if !g.defined() {
                 continue;
             }
@@ -559,7 +675,11 @@ impl AmpOptimizer {
         let _no_grad = tch::no_grad_guard();
         let mut nonzero = Vec::new();
         for e in &self.entries {
-            let g = e.update_target().grad();
+            // The model's fp16 gradient while O2's slice-wise step has not made the master's.
+            let mut g = e.update_target().grad();
+            if !g.defined() && e.master().is_some() {
+                g = e.model().grad();
+            }
             if g.defined() {
                 nonzero.push(g.f_ne(0.0).and_then(|t| t.f_any()).ctx("checking for zero gradients")?);
             }
@@ -600,6 +720,9 @@ impl AmpOptimizer {
         if self.scaled_pending {
             return Ok(());
         }
+        // A second pass before `step` (accumulation): the first pass's gradients become fp32
+        // master gradients now, and the new ones are added to them at exit.
+        self.make_master_grads()?;
         for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
             match e.master() {
                 // Master grads keep accumulating; the fp16 grads must start empty.
@@ -617,12 +740,30 @@ impl AmpOptimizer {
 
     /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
     /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
-    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor, scale: f64) -> Result<()> {
+        // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
+        // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
+        let slice_wise = SLICE_MAX.load(Ordering::Relaxed) > 0
+            && self.inner.updates_in_slices()
+            && self.entries.iter().any(|e| e.master().is_some())
+            && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
+            && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
+                let g = e.model().grad();
+                !g.defined()
+                    || (g.is_contiguous() && e.model().is_contiguous() && e.master().is_some_and(Tensor::is_contiguous))
+            });
+        let mut half: Vec<Tensor> = Vec::new();
         // Gather the new (scaled) gradients: fp16 model grads become fresh fp32 tensors.
         let mut fresh: Vec<Tensor> = Vec::new();
         let mut targets: Vec<(usize, Tensor)> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
             match e.master() {
+                Some(_) if slice_wise => {
+                    let g = e.model().grad();
+                    if g.defined() {
+                        half.push(g);
+                    }
+                }
                 Some(_) => {
                     if let Some(g) = take_grad(e.model())? {
                         let g32 = g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?;
@@ -640,6 +781,12 @@ impl AmpOptimizer {
             }
         }
         unscale_(&fresh, found_inf, inv_scale)?;
+        if slice_wise {
+            let one = Tensor::f_ones([1], (Kind::Float, found_inf.device())).ctx("checking fp16 gradients")?;
+            unscale_(&half, found_inf, &one)?;
+            *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? =
+                Some(HalfGrads { inv_scale: inv_scale.shallow_clone(), scale });
+        }
         let _no_grad = tch::no_grad_guard();
         for (i, new_grad) in targets {
             match self.entries[i].master() {
@@ -667,6 +814,109 @@ impl AmpOptimizer {
             }
         }
         self.scaled_pending = false;
+        Ok(())
+    }
+
+    /// The slice-wise O2 update (see [`HalfGrads`]): for each parameter with a master and an
+    /// fp16 gradient, each slice of the gradient is unscaled into fp32 (`fp16 -> fp32` times
+    /// `inv_scale`, what the full-size path computes), the master slice updated from it and
+    /// rounded into the model. The fp32 slice needs no new memory: it lives in storage whose
+    /// values are spent, seen as fp32: the part of the model's fp16 weight not yet rounded back
+    /// (its old values are never read again), the part of this fp16 gradient already consumed,
+    /// or a previous parameter's consumed gradient. Parameters go largest first: the largest
+    /// takes about three slices (half of it, a quarter, a quarter; more when [`SLICE_MAX`] caps
+    /// them), every later one a single slice up to [`SLICE_MAX`]. Only a parameter under 128
+    /// elements coming first would use a fresh buffer (at most [`SLICE_MIN`] elements).
+    fn step_from_half_grads(&mut self, half: &HalfGrads) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let slice_max = SLICE_MAX.load(Ordering::Relaxed).max(SLICE_ALIGN);
+        // Largest first: its spent gradient then holds every smaller parameter's slice whole.
+        let mut order: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| self.entries[i].master().is_some() && self.entries[i].model().grad().defined())
+            .collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].model().numel()));
+        // fp32 view of the largest fp16 gradient consumed so far: scratch for later slices.
+        let mut spent: Option<Tensor> = None;
+        let as_fp32 = |t: &Tensor, n: i64| t.f_narrow(0, 0, n - n % 2).and_then(|t| t.f_view_dtype(Kind::Float));
+        for i in order {
+            let e = &self.entries[i];
+            let (model, master) =
+                (e.model().shallow_clone(), e.master().map(Tensor::shallow_clone).unwrap_or_default());
+            let grad = model.grad().f_view([-1]).ctx("an fp16 gradient")?;
+            let n = grad.numel() as i64;
+            let (model_flat, master_flat) = (model.f_view([-1]).ctx("a weight")?, master.f_view([-1]).ctx("a master")?);
+            // The gradient and the weight seen as fp32 (over an even number of fp16 elements),
+            // made when first needed (a parameter that fits another's spent gradient needs
+            // neither).
+            let mut own: Option<Tensor> = None;
+            let mut weight: Option<Tensor> = None;
+            let mut start = 0i64;
+            let mut next = || -> Result<Option<GradSlice>> {
+                if start >= n {
+                    return Ok(None);
+                }
+                // fp32 capacity of each spent region: another gradient; this gradient's consumed
+                // prefix (fp16 elements [0, start) hold start/2 floats); this weight from
+                // element `start` on (not rounded back yet: floats [start/2, n/2)).
+                let spent_cap = spent.as_ref().map_or(0, |t| t.numel() as i64);
+                let own_cap = start / 2;
+                let weight_cap = (n - n % 2) / 2 - start / 2;
+                // Slices start at multiples of SLICE_ALIGN elements, as the kernels' own
+                // vector blocks and thread ranges do, so each element takes the same code path
+                // as in a whole-tensor update.
+                let align = |c: i64| c - c % SLICE_ALIGN;
+                let cap = align(spent_cap.max(own_cap).max(weight_cap).min(slice_max));
+                let len = if cap >= SLICE_ALIGN { (n - start).min(cap) } else { (n - start).min(SLICE_MIN) };
+                let view = |slot: &mut Option<Tensor>, of: &Tensor| -> Result<Tensor> {
+                    if slot.is_none() {
+                        *slot = Some(as_fp32(of, n).ctx("scratch")?);
+                    }
+                    Ok(slot.as_ref().map(Tensor::shallow_clone).unwrap_or_default())
+                };
+                let scratch = if len <= spent_cap {
+                    spent.as_ref().map(|t| t.f_narrow(0, 0, len)).transpose().ctx("scratch")?.unwrap_or_default()
+                } else if len <= weight_cap {
+                    // Overwritten by this slice's rounded master right after its update.
+                    view(&mut weight, &model_flat)?.f_narrow(0, start / 2, len).ctx("scratch")?
+                } else if len <= own_cap {
+                    view(&mut own, &grad)?.f_narrow(0, 0, len).ctx("scratch")?
+                } else {
+                    Tensor::f_empty([len], (Kind::Float, grad.device())).ctx("a master-gradient slice")?
+                };
+                // fp16 -> fp32, then times 1/scale in place: what the full-size path computes
+                // (a mixed-dtype multiply would make an fp32 temporary of the slice).
+                let mut g = scratch;
+                let source =
+                    if len == n { grad.shallow_clone() } else { grad.f_narrow(0, start, len).ctx("a slice")? };
+                g.f_copy_(&source).ctx("a gradient slice")?;
+                if half.scale != 1.0 {
+                    let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
+                }
+                let out = GradSlice { start, grad: g };
+                start += len;
+                Ok(Some(out))
+            };
+            let mut done = |at: i64, len: i64| -> Result<()> {
+                let (mut w, m) = if len == n {
+                    (model_flat.shallow_clone(), master_flat.shallow_clone())
+                } else {
+                    (
+                        model_flat.f_narrow(0, at, len).ctx("a weight slice")?,
+                        master_flat.f_narrow(0, at, len).ctx("a master slice")?,
+                    )
+                };
+                w.f_copy_(&m).ctx("copying master weights into the model").map(|_| ())
+            };
+            self.inner.update_in_slices(i, &mut next, &mut done)?;
+            clear_grad(&model)?;
+            // This gradient is spent now: scratch for the next (smaller) parameters.
+            if n / 2 > spent.as_ref().map_or(0, |t| t.numel() as i64) {
+                spent = Some(match own.take() {
+                    Some(t) => t,
+                    None => as_fp32(&grad, n).ctx("scratch")?,
+                });
+            }
+        }
         Ok(())
     }
 
@@ -1052,6 +1302,7 @@ fn staged_tensor(what: &str, v: Tensor, shape: &[i64], like: &Tensor, kind: Kind
     if v.size() != shape || v.kind() != kind {
         return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {shape:?}", v.kind(), v.size())));
     }
+    crate::diagnostics::note_host_read();
     let finite = v.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checking a state")?;
     if finite == 0 {
         return Err(mismatch(format!("{what}: holds inf or NaN")));

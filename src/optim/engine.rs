@@ -1,6 +1,8 @@
 //! The optimizer behind [`crate::AmpOptimizer`]: torch.optim's parameter groups (each with its
 //! learning rate, hyper-parameters and step count), the per-parameter state, and one call of
 //! the [`UpdateRule`] per step over the parameters that have a gradient.
+use std::collections::BTreeMap;
+
 use tch::{Kind, Tensor};
 
 use super::rule::{GroupView, HyperParams, ParamState, ParamView, UpdateRule};
@@ -293,4 +295,93 @@ impl Optimizer {
 }
 
 /// A parameter's state tensors by name.
-pub(crate) type ParamStateBuffers = std::collections::BTreeMap<String, Tensor>;
+pub(crate) type ParamStateBuffers = BTreeMap<String, Tensor>;
+
+// ---- Updating one parameter slice by slice -----------------------------------------------------
+// O2's step materializes each fp32 master gradient a slice at a time, right before its update
+// (src/optim/amp_optimizer.rs), so that no full-size fp32 gradient exists. For an elementwise
+// rule ([`UpdateRule::is_elementwise`]) updating a parameter slice by slice gives its
+// whole-tensor update bit for bit: the rule is called with a group holding only the slice
+// (`param`, `grad` and a `ParamState` whose buffers are views of the full-size state).
+
+/// One slice of a parameter's gradient for [`Optimizer::update_in_slices`]: the fp32 gradient
+/// of the flat elements `[start, start + grad.numel())`.
+pub(crate) struct GradSlice {
+    pub(crate) start: i64,
+    pub(crate) grad: Tensor,
+}
+
+impl Optimizer {
+    /// Whether [`Self::update_in_slices`] may be used (the rule is elementwise).
+    pub(crate) fn updates_in_slices(&self) -> bool {
+        self.rule.is_elementwise()
+    }
+
+    /// Updates parameter `i` (contiguous, fp32 or fp64) from its gradient given slice by slice:
+    /// `next` yields the slices in order until the parameter is covered (`None` ends it), and
+    /// `done(start, len)` runs after each slice's update (O2 rounds the updated master slice into
+    /// the model there). The parameter's update count goes up once; the group's step count is
+    /// the one [`Self::step`] set this step (it runs first). State tensors the rule creates at a
+    /// parameter's first update are created full-size and filled slice by slice.
+    pub(crate) fn update_in_slices(
+        &mut self,
+        i: usize,
+        next: &mut dyn FnMut() -> Result<Option<GradSlice>>,
+        done: &mut dyn FnMut(i64, i64) -> Result<()>,
+    ) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let gi = self.group_of[i];
+        let group = &self.groups[gi];
+        let param = self.params[i].shallow_clone();
+        let name = self.names[i].as_str();
+        let st = &mut self.state[i];
+        st.step += 1;
+        let flat = |t: &Tensor| t.f_view([-1]).ctx("a parameter slice");
+        let param_flat = flat(&param)?;
+        let numel = param_flat.numel() as i64;
+        // Existing state: flat views (parameter-shaped) or as they are (0-dim).
+        let mut state_flat: Vec<(String, Tensor, bool)> = Vec::new();
+        for (k, t) in &st.buffers {
+            let like_param = t.numel() as i64 == numel && t.dim() > 0;
+            state_flat.push((k.clone(), if like_param { flat(t)? } else { t.shallow_clone() }, like_param));
+        }
+        while let Some(GradSlice { start, grad }) = next()? {
+            let len = grad.numel() as i64;
+            let slice = |t: &Tensor| {
+                if len == numel {
+                    Ok(t.shallow_clone())
+                } else {
+                    t.f_narrow(0, start, len).ctx("a parameter slice")
+                }
+            };
+            let p = slice(&param_flat)?;
+            let mut view = ParamState { step: st.step, buffers: BTreeMap::new() };
+            for (k, t, like_param) in &state_flat {
+                view.buffers.insert(k.clone(), if *like_param { slice(t)? } else { t.shallow_clone() });
+            }
+            {
+                let pv = ParamView { name, param: p, grad, state: &mut view };
+                let mut views =
+                    [GroupView { id: group.id, lr: group.lr, hyper: &group.hyper, step: group.step, params: vec![pv] }];
+                self.rule.step(&mut views)?;
+            }
+            // State created for this slice (the parameter's first update): into full-size state.
+            for (k, t) in view.buffers {
+                if state_flat.iter().any(|(name, _, _)| *name == k) {
+                    continue;
+                }
+                if !st.buffers.contains_key(&k) {
+                    let full =
+                        Tensor::f_empty(param.size(), (t.kind(), t.device())).ctx("allocating optimizer state")?;
+                    st.buffers.insert(k.clone(), full);
+                }
+                flat(&st.buffers[&k])?
+                    .f_narrow(0, start, len)
+                    .and_then(|mut s| s.f_copy_(&t))
+                    .ctx("optimizer state slice")?;
+            }
+            done(start, len)?;
+        }
+        Ok(())
+    }
+}

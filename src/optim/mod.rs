@@ -14,7 +14,7 @@ mod record;
 mod rule;
 mod rules;
 
-pub(crate) use amp_optimizer::{gradient_scans, CollapseInfo, Layout, OptimizerSetup};
+pub(crate) use amp_optimizer::{gradient_scans, set_master_grad_slice, CollapseInfo, Layout, OptimizerSetup};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, NovoGradNorm};
 pub use grads::unscale_;

@@ -95,9 +95,11 @@ struct Entry {
 };
 
 // Registers (once) what `entries` and libtorch's own Autocast ops need, then builds the policy.
-void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, void** out) {
+void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulate_dtypes, void** out) {
   *out = nullptr;
   TORCH_CHECK(n >= 0 && (n == 0 || raw != nullptr), "invalid cast-policy entry list");
+  TORCH_CHECK(emulate_dtypes >= 0 && emulate_dtypes <= (kEmulateHalf | kEmulateBFloat16),
+              "invalid emulated-dtype mask ", emulate_dtypes);
   std::vector<Entry> entries;
   entries.reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -158,6 +160,7 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, void** out
 
   auto policy = std::make_shared<Policy>();
   policy->allow_banned = allow_banned;
+  policy->emulate_dtypes = static_cast<uint8_t>(emulate_dtypes);
   const size_t count = e.names.size();
   for (int dev = 0; dev < kDevices; ++dev) policy->category[dev].assign(count, 0);
   policy->emulate.assign(count, 0);
@@ -178,6 +181,7 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, void** out
     auto inner = std::make_shared<Policy>();
     for (int dev = 0; dev < kDevices; ++dev) inner->category[dev].assign(count, 0);
     inner->emulate = policy->emulate;
+    inner->emulate_dtypes = policy->emulate_dtypes;
     inner->emulation_only = true;
     policy->inner = std::move(inner);
   }
@@ -228,10 +232,12 @@ char* tch_amp_libtorch_autocast_ops(int dev, void* ctx, tch_amp_string_sink sink
   })
 }
 
-// Builds a policy from `n` entries (registering what is not registered yet); *out receives its
-// handle, to be released with tch_amp_cast_policy_release.
-char* tch_amp_cast_policy_install(const tch_amp_cast_entry* entries, int n, int allow_banned, void** out) {
-  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, out))
+// Builds a policy from `n` entries (registering what is not registered yet); `emulate_dtypes`
+// says which 16-bit types the emulation entries apply to (kEmulateHalf | kEmulateBFloat16).
+// *out receives its handle, to be released with tch_amp_cast_policy_release.
+char* tch_amp_cast_policy_install(const tch_amp_cast_entry* entries, int n, int allow_banned, int emulate_dtypes,
+                                  void** out) {
+  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, emulate_dtypes, out))
 }
 
 // Releases a policy handle. The registrations stay (see the top of this file).
@@ -271,6 +277,23 @@ char* tch_amp_cast_policy_active(int* active) { TCH_AMP_PROTECT(*active = tls_po
 
 // Empties the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_clear() { TCH_AMP_PROTECT(cache_clear()) }
+
+// Turns the kernels' phase timers on or off (all threads).
+char* tch_amp_cast_profiling(int on) { TCH_AMP_PROTECT(set_profiling(on != 0)) }
+
+// The calling thread's kernel phase times in nanoseconds since the last call (and the count of
+// emulated calls), then resets them: out[0] policy casts, [1] emulated inputs to fp32, [2] the
+// fp32 op, [3] output rounding, [4] emulated calls.
+char* tch_amp_cast_profile_take(int64_t* out) {
+  TCH_AMP_PROTECT({
+    const KernelProfile p = take_profile();
+    out[0] = p.policy_cast_ns;
+    out[1] = p.emulated_input_ns;
+    out[2] = p.emulated_op_ns;
+    out[3] = p.emulated_output_ns;
+    out[4] = p.emulated_calls;
+  })
+}
 
 // Number of entries in the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_len(size_t* len) { TCH_AMP_PROTECT(*len = cache_len()) }

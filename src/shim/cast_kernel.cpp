@@ -10,11 +10,32 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <utility>
 
 namespace tch_amp::cast {
 namespace {
+
+std::atomic<bool> profiling{false};
+thread_local KernelProfile tls_profile;
+
+// Adds the time since construction to `slot` when profiling is on.
+struct PhaseTimer {
+  int64_t* slot;
+  std::chrono::steady_clock::time_point start;
+  explicit PhaseTimer(int64_t& s)
+      : slot(profiling.load(std::memory_order_relaxed) ? &s : nullptr),
+        start(slot != nullptr ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}) {}
+  ~PhaseTimer() {
+    if (slot != nullptr) {
+      *slot += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+};
 
 // Applies `f` to every tensor among the last `n` stack entries (tensors, optional tensors,
 // tensor lists and lists of optional tensors), replacing them with what `f` returns.
@@ -63,6 +84,9 @@ void for_each_tensor_arg(const torch::jit::Stack* stack, size_t n, bool skip_fir
 }
 
 }  // namespace
+
+void set_profiling(bool on) { profiling.store(on, std::memory_order_relaxed); }
+KernelProfile take_profile() { return std::exchange(tls_profile, KernelProfile{}); }
 
 // "name" or "name.overload", without the "aten::" namespace.
 std::string op_display(const c10::OperatorName& name) {
@@ -113,13 +137,16 @@ class CastKernel final : public c10::OperatorKernel {
     const size_t nargs = op.schema().arguments().size();
     {
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      if (inplace_) {
-        apply_inplace_rule(op, cat, stack, nargs);
-      } else {
-        apply_category(op, cat, *policy, stack, nargs);
+      {
+        PhaseTimer timer(tls_profile.policy_cast_ns);
+        if (inplace_) {
+          apply_inplace_rule(op, cat, stack, nargs);
+        } else {
+          apply_category(op, cat, *policy, stack, nargs);
+        }
       }
       if (emulate) {
-        run_emulated(op, below, stack, nargs);
+        run_emulated(op, below, stack, nargs, *policy);
         return;
       }
     }
@@ -235,7 +262,7 @@ class CastKernel final : public c10::OperatorKernel {
   // what a Tensor-Core GEMM does (fp16 in, fp32 accumulate, fp16 out). The casts are made
   // here, above autograd, so backward has the same rounding points.
   void run_emulated(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
-                    size_t nargs) const {
+                    size_t nargs, const Policy& policy) const {
     std::optional<at::ScalarType> low;
     bool uniform = true;
     for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
@@ -244,12 +271,22 @@ class CastKernel final : public c10::OperatorKernel {
       if (!is_low(s) || (low.has_value() && *low != s)) uniform = false;
       low = s;
     });
-    if (!uniform || !low.has_value()) {
-      op.redispatchBoxed(below, stack);  // mixed or full-precision inputs: the native kernel decides
+    if (!uniform || !low.has_value() || !policy.emulates_dtype(*low)) {
+      // Mixed or full-precision inputs, or a type this policy runs natively: the native
+      // kernel decides.
+      op.redispatchBoxed(below, stack);
       return;
     }
-    map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
-    op.redispatchBoxed(below, stack);
+    if (profiling.load(std::memory_order_relaxed)) ++tls_profile.emulated_calls;
+    {
+      PhaseTimer timer(tls_profile.emulated_input_ns);
+      map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
+    }
+    {
+      PhaseTimer timer(tls_profile.emulated_op_ns);
+      op.redispatchBoxed(below, stack);
+    }
+    PhaseTimer timer(tls_profile.emulated_output_ns);
     const size_t nret = op.schema().returns().size();
     const at::ScalarType to = *low;
     auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);

@@ -26,6 +26,9 @@ namespace tch_amp::cast {
 // (src/sys/cast.rs, EngineCategory).
 enum class Category : uint8_t { Passthrough = 0, LowPrecision = 1, Fp32 = 2, Promote = 3, Banned = 4 };
 constexpr int kEmulate = 5;  // an entry category only: CPU emulation of the op
+// Bits of the emulated-dtype mask the Rust side sends (src/sys/cast.rs).
+constexpr uint8_t kEmulateHalf = 1;
+constexpr uint8_t kEmulateBFloat16 = 2;
 
 // Index of a device type in per-device tables (0 = CPU, 1 = CUDA), as the Rust side sends it.
 constexpr int kCpu = 0;
@@ -42,6 +45,9 @@ inline c10::DispatchKey autocast_key_of(int dev) {
 struct Policy {
   std::vector<uint8_t> category[kDevices];
   std::vector<uint8_t> emulate;  // CPU only
+  // Which 16-bit types the CPU emulation handles (kEmulateHalf | kEmulateBFloat16); ops whose
+  // inputs are of another type run libtorch's native kernel.
+  uint8_t emulate_dtypes = 0;
   bool allow_banned = false;
   // CPU emulation on and no cast lists: the policy O2/O3 use for half models.
   bool emulation_only = false;
@@ -54,6 +60,10 @@ struct Policy {
     return id < v.size() ? static_cast<Category>(v[id]) : Category::Passthrough;
   }
   bool emulated(size_t id) const { return id < emulate.size() && emulate[id] != 0; }
+  bool emulates_dtype(at::ScalarType t) const {
+    return (t == at::kHalf && (emulate_dtypes & kEmulateHalf) != 0) ||
+           (t == at::kBFloat16 && (emulate_dtypes & kEmulateBFloat16) != 0);
+  }
 };
 
 // The calling thread's active policy (null: none). Defined in cast_engine.cpp.
@@ -70,6 +80,18 @@ void cache_clear();
 size_t cache_len();
 
 // ---- cast_kernel.cpp --------------------------------------------------------------------------
+// Time the calling thread's kernels spent per phase while profiling is on (benchmarks): the
+// policy's casts, and for emulated ops the casts of their inputs to fp32, the fp32 op itself
+// and the rounding of its outputs. Off by default; then it costs one relaxed load per call.
+struct KernelProfile {
+  int64_t policy_cast_ns = 0;
+  int64_t emulated_input_ns = 0;
+  int64_t emulated_op_ns = 0;
+  int64_t emulated_output_ns = 0;
+  int64_t emulated_calls = 0;
+};
+void set_profiling(bool on);
+KernelProfile take_profile();
 // The boxed kernel for op `id` at `dev`'s Autocast key; `native` is libtorch's own kernel there.
 torch::CppFunction make_cast_kernel(size_t id, int dev, bool inplace, std::optional<c10::SafeKernelFunction> native);
 // "name" or "name.overload", without the "aten::" namespace.

@@ -36,6 +36,14 @@ char* tch_amp_autocast_set(int device_type, int enabled, int dtype, int* prev_en
   })
 }
 
+// libtorch's TF32 switches for CUDA matmuls and cuDNN convolutions.
+char* tch_amp_set_allow_tf32(int on) {
+  TCH_AMP_PROTECT({
+    at::globalContext().setAllowTF32CuBLAS(on != 0);
+    at::globalContext().setAllowTF32CuDNN(on != 0);
+  })
+}
+
 // Empties libtorch's autocast weight-cast cache (thread-local).
 char* tch_amp_autocast_clear_cache() { TCH_AMP_PROTECT(at::autocast::clear_cache()) }
 

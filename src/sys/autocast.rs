@@ -17,6 +17,13 @@ extern "C" {
     ) -> *mut c_char;
     fn tch_amp_autocast_clear_cache() -> *mut c_char;
     fn tch_amp_find_schema(name: *const c_char, overload: *const c_char) -> *mut c_char;
+    fn tch_amp_set_allow_tf32(on: c_int) -> *mut c_char;
+}
+
+/// libtorch's TF32 switches (cuBLAS matmuls and cuDNN convolutions).
+pub(crate) fn set_allow_tf32(on: bool) -> Result<()> {
+    // SAFETY: a plain integer argument.
+    check(unsafe { tch_amp_set_allow_tf32(c_int::from(on)) }, "set_allow_tf32")
 }
 
 /// Autocast's (enabled, dtype) for `device`'s type on this thread.

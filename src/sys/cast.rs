@@ -40,6 +40,7 @@ extern "C" {
         entries: *const CastEntry,
         n: c_int,
         allow_banned: c_int,
+        emulate_dtypes: c_int,
         out: *mut *mut c_void,
     ) -> *mut c_char;
     fn tch_amp_cast_policy_release(handle: *mut c_void) -> *mut c_char;
@@ -49,6 +50,8 @@ extern "C" {
     fn tch_amp_cast_policy_active(active: *mut c_int) -> *mut c_char;
     fn tch_amp_cast_cache_clear() -> *mut c_char;
     fn tch_amp_cast_cache_len(len: *mut usize) -> *mut c_char;
+    fn tch_amp_cast_profiling(on: c_int) -> *mut c_char;
+    fn tch_amp_cast_profile_take(out: *mut i64) -> *mut c_char;
 }
 
 /// Appends each string the shim hands over to the `Vec<String>` behind `ctx`.
@@ -103,8 +106,15 @@ impl Drop for PolicyPtr {
     }
 }
 
+/// Bits of the emulated-dtype mask (`kEmulateHalf`, `kEmulateBFloat16` in `cast_policy.h`).
+pub(crate) const EMULATE_HALF: c_int = 1;
+/// See [`EMULATE_HALF`].
+pub(crate) const EMULATE_BFLOAT16: c_int = 2;
+
 /// Builds a policy from `entries`, registering tch-amp's kernels for ops that have none yet.
-pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool) -> Result<PolicyPtr> {
+/// The `Emulate` entries apply to the 16-bit types in `emulate_dtypes` ([`EMULATE_HALF`] |
+/// [`EMULATE_BFLOAT16`]).
+pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, emulate_dtypes: c_int) -> Result<PolicyPtr> {
     let mut names = Vec::with_capacity(entries.len());
     for &(_, _, op) in entries {
         let (name, overload) = op.split_once('.').unwrap_or((op, ""));
@@ -130,7 +140,7 @@ pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool) -> Result
     // SAFETY: `raw` holds n entries whose strings (`names`) outlive the call; `out` is an
     // out-pointer to a local.
     check(
-        unsafe { tch_amp_cast_policy_install(raw.as_ptr(), n, c_int::from(allow_banned), &mut out) },
+        unsafe { tch_amp_cast_policy_install(raw.as_ptr(), n, c_int::from(allow_banned), emulate_dtypes, &mut out) },
         "cast_policy_install",
     )?;
     Ok(PolicyPtr(out))
@@ -204,4 +214,19 @@ pub(crate) fn cache_len() -> Result<usize> {
     // SAFETY: an out-pointer to a local.
     check(unsafe { tch_amp_cast_cache_len(&mut len) }, "cast_cache_len")?;
     Ok(len)
+}
+
+/// Turns the cast kernels' phase timers on or off (every thread).
+pub(crate) fn set_profiling(on: bool) -> Result<()> {
+    // SAFETY: a plain integer argument.
+    check(unsafe { tch_amp_cast_profiling(c_int::from(on)) }, "cast_profiling")
+}
+
+/// The calling thread's kernel phase times (ns) since the last call, and the emulated-call
+/// count: [policy casts, emulated inputs, fp32 op, output rounding, emulated calls].
+pub(crate) fn take_profile() -> Result<[i64; 5]> {
+    let mut out = [0i64; 5];
+    // SAFETY: `out` has the 5 slots the shim writes.
+    check(unsafe { tch_amp_cast_profile_take(out.as_mut_ptr()) }, "cast_profile_take")?;
+    Ok(out)
 }

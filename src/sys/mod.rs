@@ -14,11 +14,12 @@ use crate::error::{AmpError, Result};
 
 mod autocast;
 pub(crate) mod cast;
+pub(crate) mod cpu;
 pub(crate) mod distributed;
 mod grads;
 mod optim;
 
-pub(crate) use autocast::{autocast_clear_cache, autocast_get, autocast_set, find_schema};
+pub(crate) use autocast::{autocast_clear_cache, autocast_get, autocast_set, find_schema, set_allow_tf32};
 pub(crate) use grads::{set_grad, total_norm, unscale_, vector_norm};
 pub(crate) use optim::{
     add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, FusedAdamArgs,

@@ -6,7 +6,8 @@
 use crate::common::*;
 use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{initialize, Amp, AmpConfig, AmpError, OptLevel, ScaleLossOptions};
+use tch_amp::cast::CpuFeatures;
+use tch_amp::{initialize, Amp, AmpConfig, AmpError, CpuKernels, OptLevel, ScaleLossOptions};
 
 /// Two batch norms whose names share a prefix (`bn1`, `bn10`) and a linear named `bn1x`,
 /// to catch prefix matching.
@@ -291,8 +292,9 @@ fn o2_on_cpu_emulates_half_gemms() {
     let vs = VarStore::new(Device::Cpu);
     let lin = nn::linear(vs.root(), 16, 8, Default::default());
     let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
-    let amp = Amp::new(&AmpConfig::new(OptLevel::O2)).unwrap();
+    let amp = Amp::new(&AmpConfig::new(OptLevel::O2).cpu_kernels(CpuKernels::Emulate)).unwrap();
     assert!(amp.casts_active());
+    assert_eq!(amp.properties().cpu_kernels(), Some(CpuKernels::Emulate));
     let model = amp.cast_model(&vs, lin).unwrap();
     let y = model.forward(&x);
     // Emulation: fp32 compute of the fp16-rounded inputs, rounded once to fp16.
@@ -303,6 +305,38 @@ fn o2_on_cpu_emulates_half_gemms() {
     assert!(same(&y, &expected), "{y} vs {expected}");
     let native = Amp::new(&AmpConfig::new(OptLevel::O2).emulate_low_precision_on_cpu(false)).unwrap();
     assert!(!native.casts_active());
+    assert_eq!(native.properties().cpu_kernels(), Some(CpuKernels::Native));
+}
+
+/// `Auto` (the default) is resolved at initialize, per dtype, from this CPU's features, and
+/// either choice can be forced per dtype.
+#[test]
+fn cpu_kernels_are_chosen_per_dtype_from_the_cpu_and_overridable() {
+    let cpu = CpuFeatures::detect();
+    for kind in [Kind::Half, Kind::BFloat16] {
+        // The rule: bf16 native where oneDNN supports it and the CPU computes in it; fp16 always
+        // emulated (oneDNN's fp16 convolution weight gradient is its reference kernel).
+        let native = kind == Kind::BFloat16 && cpu.onednn_bf16 && (cpu.avx512_bf16 || cpu.amx_bf16);
+        let expected = if native { CpuKernels::Native } else { CpuKernels::Emulate };
+        assert_eq!(cpu.auto_choice(kind), expected, "{kind:?} on {}", cpu.summary());
+        let props = AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).build().unwrap();
+        assert_eq!(props.low_precision_kind(), Some(kind));
+        assert_eq!(props.cpu_kernels(), Some(expected), "Auto resolved at build");
+        let amp = Amp::from_properties(props).unwrap();
+        assert_eq!(amp.casts_active(), expected == CpuKernels::Emulate, "the emulation policy only when emulating");
+        drop(amp);
+        let o1 = AmpConfig::new(OptLevel::O1).low_precision_dtype(kind).build().unwrap();
+        assert_eq!(o1.cpu_kernels(), Some(expected));
+        // Forced either way, for one dtype only.
+        let other = if kind == Kind::Half { Kind::BFloat16 } else { Kind::Half };
+        for forced in [CpuKernels::Emulate, CpuKernels::Native] {
+            let p =
+                AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).cpu_kernels_for(kind, forced).build().unwrap();
+            assert_eq!(p.cpu_kernels(), Some(forced));
+            assert_eq!(p.cast_settings().cpu_kernels_of(other), cpu.auto_choice(other), "the other dtype stays Auto");
+        }
+    }
+    assert_eq!(AmpConfig::new(OptLevel::O0).build().unwrap().cpu_kernels(), None, "O0 computes in fp32");
 }
 
 /// O3 with Adam on tiny gradients: as under Apex (the optimizer on the fp16 parameters with fp16

@@ -7,10 +7,15 @@ use crate::common::*;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::{install_policy, PolicyHandle};
-use tch_amp::{CastPolicy, CastSettings};
+use tch_amp::{CastPolicy, CastSettings, CpuKernels};
+
+/// Emulation forced on, whatever this CPU's `Auto` choice.
+fn emulated() -> CastSettings {
+    CastSettings::default().cpu_kernels(CpuKernels::Emulate)
+}
 
 fn emulation_only() -> PolicyHandle {
-    install_policy(CastPolicy::emulation_only(), CastSettings::default()).unwrap()
+    install_policy(CastPolicy::emulation_only(), emulated()).unwrap()
 }
 
 /// `f` on fp32 copies of the inputs, rounded to `kind`: the contract's right-hand side.
@@ -172,15 +177,14 @@ fn o1_linear_is_emulated_after_the_policys_cast() {
     let vs = nn::VarStore::new(Device::Cpu);
     let m = nn::linear(vs.root(), 32, 16, Default::default());
     let x = randn(&[8, 32], Kind::Float);
-    let y = apex().run(Device::Cpu, || m.forward(&x)).unwrap();
+    let y = apex_with(emulated()).run(Device::Cpu, || m.forward(&x)).unwrap();
     let h = |t: &Tensor| t.to_kind(Kind::Half);
     let expected =
         reference(Kind::Half, &[&h(&x), &h(&m.ws), &h(m.bs.as_ref().unwrap())], &|t| t[0].linear(&t[1], Some(&t[2])));
     assert_bitwise_eq(&y, &expected, "O1 linear");
     // Emulation off: libtorch's native fp16 kernel, bit for bit.
-    let native = apex_with(CastSettings::default().emulate_low_precision_on_cpu(false))
-        .run(Device::Cpu, || m.forward(&x))
-        .unwrap();
+    let native =
+        apex_with(CastSettings::default().cpu_kernels(CpuKernels::Native)).run(Device::Cpu, || m.forward(&x)).unwrap();
     let direct = h(&x).linear(&h(&m.ws), Some(&h(m.bs.as_ref().unwrap())));
     assert_bitwise_eq(&native, &direct, "native O1 linear");
 }
@@ -228,4 +232,66 @@ fn an_o2_style_half_model_runs_emulated() {
     let (h1, _) =
         handle.run(Device::Cpu, || x.lstm_cell(&[&h0, &h0], &w, &w, None::<&Tensor>, None::<&Tensor>)).unwrap();
     assert_eq!(h1.kind(), Kind::Half);
+}
+
+/// The numerical contract holds whichever kernels run: on the CPU the tests run on, libtorch's
+/// native fp16 and bf16 GEMMs and convolutions (oneDNN with AMX/AVX512_BF16/AVX512_FP16 where
+/// the CPU has them, libtorch's generic loops elsewhere) and the emulation give, forward and
+/// backward, results within one ulp of each other up to fp32 summation order, so `Auto` may
+/// pick either without changing what training computes beyond the last bit.
+#[test]
+fn native_and_emulated_kernels_agree_forward_and_backward_on_this_cpu() {
+    let emulate = emulation_only();
+    type Fwd = Box<dyn Fn(&Tensor, &Tensor) -> Tensor>;
+    let cases: Vec<(&str, [i64; 2], [i64; 2], Fwd)> = vec![
+        ("mm 64x96x48", [64, 96], [96, 48], Box::new(|a, b| a.mm(b))),
+        ("linear 32x80->40", [32, 80], [40, 80], Box::new(|a, b| a.linear(b, None::<Tensor>))),
+    ];
+    for kind in [Kind::Half, Kind::BFloat16] {
+        let run =
+            |native: bool, f: &dyn Fn() -> Tensor| if native { f() } else { emulate.run(Device::Cpu, f).unwrap() };
+        for (name, sa, sb, op) in &cases {
+            let mut results = Vec::new();
+            for native in [true, false] {
+                let a = det(sa, 0.3).to_kind(kind).set_requires_grad(true);
+                let b = det(sb, 0.9).to_kind(kind).set_requires_grad(true);
+                let y = run(native, &|| op(&a, &b));
+                assert_eq!(y.kind(), kind);
+                let upstream = det(&y.size(), 1.7).to_kind(kind);
+                (y.to_kind(Kind::Float) * upstream.to_kind(Kind::Float)).sum(None::<Kind>).backward();
+                results.push((y.detach(), a.grad(), b.grad(), a.detach(), b.detach(), upstream));
+            }
+            let (native, emulated) = (&results[0], &results[1]);
+            let d = |t: &Tensor| t.to_kind(Kind::Double).abs();
+            let (a, b, g) = (d(&native.3), d(&native.4), d(&native.5));
+            let (fwd_terms, ga_terms, gb_terms) = if name.starts_with("mm") {
+                (a.mm(&b), g.mm(&b.tr()), a.tr().mm(&g))
+            } else {
+                (a.mm(&b.tr()), g.mm(&b), g.tr().mm(&a))
+            };
+            let what = |part: &str| format!("{name} {kind:?} {part}");
+            assert_within_one_ulp_up_to_fp32_order(&emulated.0, &native.0, &fwd_terms, &what("output"));
+            assert_within_one_ulp_up_to_fp32_order(&emulated.1, &native.1, &ga_terms, &what("grad of a"));
+            assert_within_one_ulp_up_to_fp32_order(&emulated.2, &native.2, &gb_terms, &what("grad of b"));
+        }
+        // A convolution with its weight gradient (the main job's CNN is convolution-bound).
+        let mut results = Vec::new();
+        for native in [true, false] {
+            let x = det(&[4, 8, 12, 12], 0.2).to_kind(kind).set_requires_grad(true);
+            let w = (det(&[16, 8, 3, 3], 0.5) * 0.3).to_kind(kind).set_requires_grad(true);
+            let y = run(native, &|| x.conv2d(&w, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1));
+            assert_eq!(y.kind(), kind);
+            y.to_kind(Kind::Float).sum(None::<Kind>).backward();
+            results.push((y.detach(), w.grad(), x.detach(), w.detach()));
+        }
+        let (native, emulated) = (&results[0], &results[1]);
+        let (x, w) = (native.2.to_kind(Kind::Double).abs(), native.3.to_kind(Kind::Double).abs());
+        let terms = x.conv2d(&w, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1);
+        assert_within_one_ulp_up_to_fp32_order(&emulated.0, &native.0, &terms, &format!("conv2d {kind:?} output"));
+        // dL/dw[o, c, i, j] sums x[n, c, ...] over the batch and the positions of a window
+        // (the upstream gradient is 1): bounded by the sum of |x| over channel c.
+        let per_channel = x.sum_dim_intlist(&[0i64, 2, 3][..], false, None::<Kind>).view([1, -1, 1, 1]);
+        let gw_terms = per_channel.expand(native.1.size(), false);
+        assert_within_one_ulp_up_to_fp32_order(&emulated.1, &native.1, &gw_terms, &format!("conv2d {kind:?} dW"));
+    }
 }
