@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod apex_optimizers;
 mod bad_calls;
 mod checkpointing;
 mod clip;
