@@ -16,6 +16,7 @@ mod multiple_models;
 mod opt_levels;
 mod optim;
 mod optim_bitwise;
+mod param_groups;
 mod reliability;
 mod scaler;
 mod soak;
