@@ -556,8 +556,8 @@ impl LoadReport {
 ///
 /// # Errors
 /// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, a shape or
-/// dtype mismatch, non-finite values, or (strict) missing or unexpected variables. Nothing is
-/// changed then.
+/// dtype mismatch or non-finite values; [`AmpError::IncompatibleKeys`] (strict) for missing or
+/// unexpected variables. Nothing is changed then.
 pub fn load_model_weights(
     path: impl AsRef<Path>,
     vs: &VarStore,
@@ -584,12 +584,11 @@ pub fn load_model_weights(
     }
     report.unexpected_keys = saved.into_iter().filter(|n| !vars.contains_key(n)).collect();
     if strict && !report.is_complete() {
-        return Err(mismatch(format!(
-            "strict load of {}: missing variables {:?}, unexpected variables {:?}",
-            path.display(),
-            report.missing_keys,
-            report.unexpected_keys
-        )));
+        return Err(AmpError::IncompatibleKeys {
+            what: "model weights".to_string(),
+            missing_keys: report.missing_keys,
+            unexpected_keys: report.unexpected_keys,
+        });
     }
     let _no_grad = tch::no_grad_guard();
     for (name, t) in &staged {
@@ -619,8 +618,9 @@ pub fn load_model_weights(
 ///
 /// # Errors
 /// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, another rule
-/// or other defaults, state tensors of the wrong shape, dtype or values, or (strict) other
-/// parameters or groups. Nothing is changed then.
+/// or other defaults, state tensors of the wrong shape, dtype or values, or (strict) the same
+/// parameters in other groups or another order; [`AmpError::IncompatibleKeys`] (strict) for
+/// parameters or groups on one side only. Nothing is changed then.
 pub fn load_optimizer_state(
     path: impl AsRef<Path>,
     optimizers: &mut [&mut AmpOptimizer],
@@ -643,6 +643,9 @@ pub fn load_optimizer_state(
         let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
         staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
             AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
+            AmpError::IncompatibleKeys { missing_keys, unexpected_keys, .. } => {
+                AmpError::IncompatibleKeys { what: format!("optimizer {i} state"), missing_keys, unexpected_keys }
+            }
             other => other,
         })?);
     }

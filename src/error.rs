@@ -128,6 +128,22 @@ pub enum AmpError {
         /// What differs.
         message: String,
     },
+    /// A strict partial load ([`crate::load_model_weights`], [`crate::load_optimizer_state`])
+    /// found keys on one side only (torch's `load_state_dict(strict=True)` error); nothing was
+    /// changed. Load with `strict = false` to load what matches and get these as a
+    /// [`crate::LoadReport`].
+    #[error(
+        "strict load of {what}: missing keys {missing_keys:?}, unexpected keys {unexpected_keys:?}; nothing was \
+         loaded (load with strict = false to load the keys that match)"
+    )]
+    IncompatibleKeys {
+        /// What was being loaded: `"model weights"` or `"optimizer <i> state"`.
+        what: String,
+        /// Keys this side has that the checkpoint lacks.
+        missing_keys: Vec<String>,
+        /// Keys of the checkpoint this side does not have.
+        unexpected_keys: Vec<String>,
+    },
     /// Reading a file failed.
     #[error("I/O error on {path}: {source}")]
     Io {

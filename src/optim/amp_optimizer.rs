@@ -1185,6 +1185,13 @@ impl AmpOptimizer {
         let missing: Vec<String> =
             names.iter().filter(|n| !rec_names.iter().any(|r| r == *n)).map(|n| n.to_string()).collect();
         let unexpected: Vec<String> = rec_names.iter().filter(|r| !names.contains(&r.as_str())).cloned().collect();
+        if strict && (!missing.is_empty() || !unexpected.is_empty()) {
+            return Err(AmpError::IncompatibleKeys {
+                what: "optimizer state".to_string(),
+                missing_keys: missing,
+                unexpected_keys: unexpected,
+            });
+        }
         let ours = self.to_record().groups;
         let mut missing_groups = Vec::new();
         let mut unexpected_groups = Vec::new();
@@ -1216,11 +1223,11 @@ impl AmpOptimizer {
                 || !missing_groups.is_empty()
                 || !unexpected_groups.is_empty())
         {
-            return Err(mismatch(format!(
-                "strict load: missing {:?}, unexpected {:?}",
-                [missing.clone(), missing_groups].concat(),
-                [unexpected.clone(), unexpected_groups].concat()
-            )));
+            return Err(AmpError::IncompatibleKeys {
+                what: "optimizer state".to_string(),
+                missing_keys: [missing, missing_groups].concat(),
+                unexpected_keys: [unexpected, unexpected_groups].concat(),
+            });
         }
         if strict && rec_names != names.iter().map(|n| n.to_string()).collect::<Vec<_>>() {
             return Err(mismatch(format!(

@@ -17,6 +17,7 @@ mod opt_levels;
 mod optim;
 mod optim_bitwise;
 mod param_groups;
+mod partial_load;
 mod reliability;
 mod scaler;
 mod soak;
