@@ -118,7 +118,7 @@ pub use cast::DisableCastsGuard;
 pub use checkpoint::{load_checkpoint, load_model_weights, load_optimizer_state, save_checkpoint, LoadReport};
 pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};
 pub use error::{AmpError, Result};
-pub use model::{AmpModel, CastReport};
+pub use model::{AmpInputs, AmpModel, CastReport};
 pub use optim::{
     unscale_, Algorithm, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, GroupRecord,
     GroupView, HyperParams, MemoryReport, NovoGradNorm, OptimizerConfig, OptimizerRecord, ParamGroup, ParamRecord,

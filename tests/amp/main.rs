@@ -12,6 +12,7 @@ mod foundation;
 mod fuzz;
 mod initialize;
 mod memory;
+mod multi_input;
 mod multiple_models;
 mod opt_levels;
 mod optim;
