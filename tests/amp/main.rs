@@ -5,6 +5,7 @@ mod common;
 
 mod apex_optimizers;
 mod bad_calls;
+mod bert_lamb;
 mod checkpointing;
 mod clip;
 mod crash;
