@@ -888,13 +888,7 @@ fn gemm_gflops(device: Device, n: i64) -> f64 {
 /// Peak bytes per parameter from the end of backward to the end of `step` (the unscale, the
 /// master gradients and the update), measured with the counting allocator: everything
 /// allocated since the model was made (`base`: the bytes held before) and still held then.
-fn measure_memory(
-    bench: &Bench,
-    r: &mut Runner,
-    x: &Tensor,
-    y: &Tensor,
-    base: i64,
-) -> Result<Option<(f64, f64, f64)>> {
+fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i64) -> Result<Option<(f64, f64, f64)>> {
     let Runner::Amp { .. } = r else { return Ok(None) };
     bench.begin_round(r)?;
     let out = (|| {
@@ -1028,8 +1022,13 @@ fn main() -> Result<()> {
         args.warmup,
         if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
     );
-    let mut bench =
-        Bench { args, device, python, saved_slice: std::cell::Cell::new(0), syncs: std::cell::RefCell::new(Vec::new()) };
+    let mut bench = Bench {
+        args,
+        device,
+        python,
+        saved_slice: std::cell::Cell::new(0),
+        syncs: std::cell::RefCell::new(Vec::new()),
+    };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
     for &w in &bench.args.workloads.clone() {

@@ -59,8 +59,11 @@ fn same(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|((na, ta), (nb, tb))| na == nb && crate::common::same(ta, tb))
 }
 
+/// A parameter's name, step count and state tensors.
+type ParamStateCopy = (String, u64, Vec<(String, Tensor)>);
+
 /// Every state tensor and step count of an optimizer, copied.
-fn state(o: &AmpOptimizer) -> Vec<(String, u64, Vec<(String, Tensor)>)> {
+fn state(o: &AmpOptimizer) -> Vec<ParamStateCopy> {
     let OptimizerRecord { params, .. } = o.to_record();
     params.into_iter().map(|p| (p.name, p.step, p.buffers.into_iter().map(|(k, t)| (k, t.copy())).collect())).collect()
 }
