@@ -166,6 +166,10 @@ struct Args {
     /// before the slice-wise step), run in the same rounds.
     #[arg(long)]
     compare_full_size: bool,
+    /// Rounds of the overflow-path measurement (clean against overflowing O2 steps on the MLP;
+    /// 0 skips it).
+    #[arg(long, default_value_t = 5)]
+    overflow_rounds: usize,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -883,6 +887,79 @@ fn gemm_gflops(device: Device, n: i64) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The overflow path
+
+/// What an overflowing step costs against a clean one (O2 fp16, the MLP): the per-parameter
+/// inf/NaN scan and the scale-change record run only when `scale_loss` saw an overflow. Rounds
+/// interleave clean and overflowing steps on a fresh `Amp` (so the scale never reaches its
+/// floor); an overflowing step multiplies the loss by +inf.
+fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_json::Value> {
+    let w = Workload::Mlp;
+    let (x, y) = data(w, bench.device);
+    let kernels = if bench.device.is_cuda() { CpuKernels::Auto } else { CpuFeatures::detect().auto_choice(Kind::Half) };
+    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels, full_size: false };
+    let mut r = bench.make_runner(w, c)?;
+    let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        bench.begin_round(&mut r)?;
+        let Runner::Amp { session: Some(s), .. } = &mut r else { bail!("round not begun") };
+        let mut one = |overflow: bool| -> Result<(f64, u64)> {
+            let scans = diagnostics::gradient_scans();
+            let t = now();
+            s.opt.zero_grad()?;
+            let mut loss = s.model.forward_t(&x, true).cross_entropy_for_logits(&y);
+            if overflow {
+                loss *= f64::INFINITY;
+            }
+            s.amp.scale_loss(&loss, &mut [&mut s.opt], |scaled| scaled.backward())?;
+            let stepped = s.opt.step()?;
+            sync(bench.device);
+            if stepped.stepped() == overflow {
+                bail!("overflow injection did not behave: {stepped:?}");
+            }
+            Ok((ms_since(t), diagnostics::gradient_scans() - scans))
+        };
+        one(false)?; // warm-up
+        let (mut c_ms, mut o_ms) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let (ms, n) = one(false)?;
+            c_ms.push(ms);
+            scans_clean.push(n as f64);
+            let (ms, n) = one(true)?;
+            o_ms.push(ms);
+            scans_over.push(n as f64);
+        }
+        clean.push(median(&c_ms));
+        over.push(median(&o_ms));
+        bench.end_round(&mut r)?;
+    }
+    let ratio: Vec<f64> = over.iter().zip(&clean).map(|(o, c)| o / c).collect();
+    let (clean, over, ratio) = (Spread::of(&clean), Spread::of(&over), Spread::of(&ratio));
+    println!();
+    println!("## The overflow path ({}, {})", w.name(), c.label(false));
+    println!();
+    println!("Clean and overflowing steps alternate (the overflowing loss is multiplied by +inf), {rounds} round(s) x {steps} of each on a fresh Amp; median over rounds [min–max].");
+    println!();
+    println!("| step | ms/step | gradient scans/step |");
+    println!("|---|---:|---:|");
+    println!("| clean (no diagnostics) | {} | {} |", clean.show(2), median(&scans_clean));
+    println!(
+        "| overflowing (skipped; inf/NaN counted per parameter, scale change recorded) | {} | {} |",
+        over.show(2),
+        median(&scans_over)
+    );
+    println!("| overflowing / clean | {} | |", ratio.show(3));
+    Ok(serde_json::json!({
+        "workload": w.name(),
+        "clean_ms": clean,
+        "overflow_ms": over,
+        "overflow_vs_clean": ratio,
+        "gradient_scans_clean": median(&scans_clean),
+        "gradient_scans_overflow": median(&scans_over),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
 // Memory
 
 /// Peak bytes per parameter from the end of backward to the end of `step` (the unscale, the
@@ -1098,6 +1175,11 @@ fn main() -> Result<()> {
         out.push(WorkloadOut { workload: w, description: w.describe(), gflop_per_step: flops / 1e9, rows });
     }
     print_goals(&out);
+    let overflow = if bench.args.overflow_rounds > 0 {
+        Some(overflow_cost(&bench, bench.args.overflow_rounds, bench.args.steps)?)
+    } else {
+        None
+    };
     if let Some(path) = &bench.args.json {
         let json = serde_json::json!({
             "cpu": { "name": cpu.name, "summary": cpu.summary() },
@@ -1105,6 +1187,7 @@ fn main() -> Result<()> {
             "gemm_gflops": Spread::of(&gemm_rates),
             "args": &bench.args,
             "workloads": out,
+            "overflow_path": overflow,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -1186,7 +1269,7 @@ fn print_goals(out: &[WorkloadOut]) {
                 let s = r.vs_o0.expect("O0 row");
                 println!(
                     "| {} <= {goal:.2}x O0 | {} | {} | {} |",
-                    &label["tch-amp ".len()..label.len() - 1],
+                    label["tch-amp ".len()..].replace(" (", " ").trim_end_matches(", Auto's choice"),
                     w.workload.name(),
                     s.show(3),
                     if s.median <= goal { "yes" } else { "no" }

@@ -12,6 +12,14 @@
 //! global step) into `--checkpoint-dir`, and copies both to `model_best.*` when Prec@1
 //! improved. `--resume runs/imagenet/checkpoint.safetensors` continues from there.
 //!
+//! `--resume` also takes a checkpoint the Python script wrote (`.pt`, `.pth`, `.pth.tar`: any
+//! `torch.save` container) in main_amp.py's layout, `{'epoch', 'arch', 'state_dict',
+//! 'best_prec1', 'optimizer'}` with `module.` prefixes from its DDP model, plus an `'amp'` entry
+//! (`amp.state_dict()`) when the script saved one (else the loss scaler starts afresh, as
+//! main_amp.py's resume does). It is read with `tch_amp::torch_checkpoint` (the model must be the
+//! one the file was written for). Under O2 the fp32 masters and the momentum buffers come
+//! straight from the file's fp32 values (Apex's own resume rounds the momentum through fp16).
+//!
 //! Distributed mode, as Apex's (`args.distributed = WORLD_SIZE > 1`): launched by torchrun, each
 //! process trains on its `DistributedSampler` shard with a per-process batch of `-b`, gradients
 //! averaged by `tch_amp::distributed::DistributedDataParallel`, the learning rate scaled by
@@ -37,6 +45,8 @@ use tch_amp::distributed::{
     save_checkpoint_on_rank0, sync_batch_norm, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup,
     ReduceOp,
 };
+use tch_amp::torch_checkpoint::{load_torch_checkpoint, TorchLoadOptions};
+use tch_amp::torch_io::Value;
 use tch_amp::{initialize, load_checkpoint, save_checkpoint, FusedSgd, OptimizerConfig, StepOutcome};
 
 use common::cli::{AmpArgs, DataArgs};
@@ -133,6 +143,12 @@ impl ModuleT for Model {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.0.forward_t(xs, train)
     }
+}
+
+/// Whether `--resume` names a `torch.save` file (`.pt`, `.pth`, `.pth.tar`, `.tar`, ...)
+/// rather than tch-amp's own `.safetensors` checkpoint.
+fn is_torch_file(path: &Path) -> bool {
+    path.extension().map_or(true, |e| e != "safetensors")
 }
 
 fn info_path(checkpoint: &Path) -> PathBuf {
@@ -256,10 +272,43 @@ fn run() -> Result<()> {
     let mut start_epoch = 0;
     let mut best_prec1 = 0.0;
     let mut global_step = 0u64;
+    // A PyTorch checkpoint says its epoch, not the step count: set once the epoch length is known.
+    let mut steps_from_epoch = false;
     if let Some(path) = &args.resume {
         if main_rank {
             println!("=> loading checkpoint '{}'", path.display());
         }
+    }
+    if let Some(path) = args.resume.as_ref().filter(|p| is_torch_file(p)) {
+        // Apex: checkpoint = torch.load(args.resume); args.start_epoch = checkpoint['epoch'];
+        // best_prec1 = checkpoint['best_prec1']; model.load_state_dict(checkpoint['state_dict']);
+        // optimizer.load_state_dict(checkpoint['optimizer']) (+ amp.load_state_dict when saved).
+        let report = load_torch_checkpoint(path, &vs, &mut [&mut optimizer], &mut amp, &TorchLoadOptions::main_amp())
+            .with_context(|| format!("resuming from {}", path.display()))?;
+        let entries = Value::Dict(report.entries);
+        let epoch = entries.get("epoch").and_then(|e| e.as_usize()).with_context(|| {
+            format!("{}: the checkpoint's epoch (main_amp.py's layout has 'epoch')", path.display())
+        })?;
+        best_prec1 = match entries.get("best_prec1") {
+            Ok(v) => match v.value() {
+                Value::Tensor(t) => t.f_double_value(&[]).context("best_prec1")?,
+                _ => v.as_f64().context("best_prec1")?,
+            },
+            Err(_) => 0.0,
+        };
+        start_epoch = epoch;
+        steps_from_epoch = true;
+        if main_rank {
+            let arch = entries.get("arch").ok().and_then(|a| a.as_str().ok().map(str::to_string));
+            println!(
+                "=> loaded checkpoint '{}' (epoch {epoch}, PyTorch format, arch {}, {}, loss scale {})",
+                path.display(),
+                arch.as_deref().unwrap_or("?"),
+                if report.amp_loaded { "amp state restored" } else { "no amp state" },
+                amp.loss_scale(0)?
+            );
+        }
+    } else if let Some(path) = &args.resume {
         load_checkpoint(path, &vs, &mut [&mut optimizer], &mut amp)
             .with_context(|| format!("resuming from {}", path.display()))?;
         let ipath = info_path(path);
@@ -307,6 +356,9 @@ fn run() -> Result<()> {
         None => None,
     };
     let len_epoch = steps_per_epoch(sampler.as_ref().map_or(n, DistributedSampler::num_samples), args.batch_size);
+    if steps_from_epoch {
+        global_step = (start_epoch * len_epoch) as u64;
+    }
     for epoch in start_epoch..args.epochs {
         // train for one epoch
         let mut end = Instant::now();

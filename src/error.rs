@@ -166,6 +166,10 @@ pub enum AmpError {
     /// A `torch.save` file that cannot be read or written (see [`crate::torch_io`]).
     #[error(transparent)]
     TorchFile(#[from] crate::torch_io::TorchIoError),
+    /// A `torch.save` checkpoint that does not fit the model, optimizers or `Amp` it is loaded
+    /// into (see [`crate::torch_checkpoint`]); nothing was changed.
+    #[error(transparent)]
+    TorchCheckpoint(#[from] crate::torch_checkpoint::TorchCheckpointError),
     /// A distributed-training operation failed (see [`crate::distributed`]).
     #[error(transparent)]
     Distributed(Box<crate::distributed::DistError>),
@@ -331,6 +335,31 @@ pub enum AmpError {
         op: String,
         /// The tensor's dtype.
         dtype: Kind,
+    },
+    /// [`crate::fp16_utils::Fp16Optimizer`] was given a trainable variable that is neither fp16
+    /// nor fp32 (Apex's `FP16_Optimizer` raised a `TypeError`).
+    #[error(
+        "FP16_Optimizer wraps fp16 and fp32 parameters only, but {name} is {kind:?}: cast the model with \
+         fp16_utils::network_to_half (or keep the variable fp32), or use tch_amp::initialize for bf16"
+    )]
+    LegacyParamDtype {
+        /// The variable.
+        name: String,
+        /// Its dtype.
+        kind: Kind,
+    },
+    /// `Fp16Optimizer::step` after `backward_with(loss, false)` without `update_master_grads()`:
+    /// the master gradients are stale and the fp32 gradients still scaled.
+    #[error(
+        "step() after backward_with(loss, false): call update_master_grads() first (it unscales the \
+         gradients into the fp32 masters and checks them for overflow)"
+    )]
+    MasterGradsNotUpdated,
+    /// Model and master parameter lists of `fp16_utils` that do not belong together.
+    #[error("fp16_utils: {message}")]
+    ParamListMismatch {
+        /// What differs, and what to do.
+        message: String,
     },
 }
 

@@ -72,12 +72,19 @@
 //!   [`ParamRecord`] (what an optimizer saves).
 //! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`], and the
 //!   partial loads [`load_model_weights`] and [`load_optimizer_state`] ([`LoadReport`]).
+//! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
+//!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
 //!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
 //!   set-ups in the module [`cast`].
 //! - **PyTorch files** (`src/torch_io/`): the module [`torch_io`] reads every container
 //!   `torch.save` has written (zip, legacy pickle stream, tar) into a [`torch_io::Value`] tree
 //!   with tch tensors, and writes the zip format `torch.load` reads (`weights_only=True` too).
+//! - **PyTorch/Apex checkpoints** (`src/torch_checkpoint/`): [`load_torch_checkpoint`] resumes
+//!   from what an Apex script saved with `torch.save` (model, torch.optim and amp state dicts),
+//!   [`save_torch_checkpoint`] writes what its resume code reads; options
+//!   [`TorchLoadOptions`] / [`TorchSaveOptions`], the mapping of torch.optim's state dict to
+//!   [`OptimizerRecord`] in the module [`torch_checkpoint`].
 //! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
@@ -103,10 +110,12 @@ pub mod diagnostics;
 pub mod distributed;
 mod dtype;
 mod error;
+pub mod fp16_utils;
 mod model;
 mod optim;
 mod scaling;
 mod sys;
+pub mod torch_checkpoint;
 pub mod torch_io;
 
 pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
@@ -125,6 +134,9 @@ pub use optim::{
     ParamState, ParamView, StateShape, StateSpec, StepOutcome, UpdateRule,
 };
 pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
+pub use torch_checkpoint::{
+    load_torch_checkpoint, save_torch_checkpoint, TorchLoadOptions, TorchLoadReport, TorchSaveOptions,
+};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
 #[cfg(doctest)]

@@ -10,6 +10,7 @@ mod checkpointing;
 mod clip;
 mod crash;
 mod foundation;
+mod fp16_utils;
 mod fuzz;
 mod initialize;
 mod memory;

@@ -1,0 +1,131 @@
+//! The errors of [`crate::torch_checkpoint`]: a `torch.save` checkpoint that does not fit the
+//! model, optimizers or `Amp` it is loaded into (or options that do not fit the call). Files
+//! that cannot be read at all are [`crate::torch_io::TorchIoError`]s, wrapped in
+//! [`crate::AmpError::TorchFile`]; entries of the wrong type or missing entries too (their
+//! messages name the path in the file: `optimizer.param_groups.0.lr`).
+use tch::Kind;
+
+/// What does not fit. Every load that fails with one of these changed nothing.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TorchCheckpointError {
+    /// Strict loading: the model state dict and the `VarStore` hold different names.
+    #[error(
+        "the model state dict does not match the VarStore: missing keys {missing:?}, unexpected keys \
+         {unexpected:?} (torch's load_state_dict(strict=True) refuses this too); TorchLoadOptions::strict(false) \
+         loads the names both have and reports the others"
+    )]
+    KeysMismatch {
+        /// `VarStore` variables the state dict lacks.
+        missing: Vec<String>,
+        /// State dict entries no variable takes (`num_batches_tracked` is never one of them).
+        unexpected: Vec<String>,
+    },
+    /// A tensor of another shape than the variable or parameter it goes to.
+    #[error("{path} has shape {found:?}, but {target} has shape {expected:?}")]
+    ShapeMismatch {
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// Its shape.
+        expected: Vec<i64>,
+        /// The file's shape.
+        found: Vec<i64>,
+    },
+    /// A tensor whose dtype cannot go where it should: an integer tensor for a floating
+    /// variable or the other way round, or any difference under
+    /// [`super::TorchLoadOptions::exact_dtypes`].
+    #[error("{path} has dtype {found:?}, which cannot be loaded into {target}: expected {expected}")]
+    DtypeMismatch {
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// What is accepted, in words.
+        expected: String,
+        /// The file's dtype.
+        found: Kind,
+    },
+    /// A weight, buffer or optimizer state holding inf or NaN.
+    #[error("{path} holds inf or NaN: the run that wrote it had already diverged; resume from an earlier checkpoint")]
+    NonFinite {
+        /// Where in the file.
+        path: String,
+    },
+    /// An optimizer state dict over another number of parameters than the optimizer holds.
+    #[error(
+        "{path}: the file's param_groups list {in_file} parameters, optimizer {optimizer} holds {in_optimizer}: the \
+         checkpoint was written for another model or another parameter selection"
+    )]
+    ParamCount {
+        /// Which optimizer (position in the slice given).
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// Parameters in the file.
+        in_file: usize,
+        /// Parameters of the optimizer.
+        in_optimizer: usize,
+    },
+    /// A state dict of another optimizer class.
+    #[error("{path} is a torch.optim.{in_file} state, but optimizer {optimizer} is {in_optimizer}")]
+    OptimizerKind {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// The class the file's hyper-parameters describe.
+        in_file: String,
+        /// The optimizer's kind.
+        in_optimizer: String,
+    },
+    /// A hyper-parameter of a param group that differs from the optimizer's (tch-amp's
+    /// optimizers have one set of hyper-parameters besides the per-group learning rate), or
+    /// two learning rates for parameters of one tch parameter group.
+    #[error(
+        "{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: build the optimizer \
+         with the file's values (tch_amp::torch_checkpoint::optimizer_config reads them)"
+    )]
+    HyperParameter {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The param group's path in the file.
+        path: String,
+        /// torch's name of the hyper-parameter.
+        name: String,
+        /// The file's value.
+        in_file: String,
+        /// The optimizer's value.
+        in_optimizer: String,
+    },
+    /// torch's parameter order (the `params` lists of `param_groups`) cannot be mapped onto
+    /// the optimizer's parameters without guessing.
+    #[error(
+        "optimizer {optimizer}: cannot tell which parameter each index of the file's param_groups is: {reason}; \
+         give the order with TorchLoadOptions::param_order"
+    )]
+    ParamOrder {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A value with the right type but an impossible content (a negative `step`, a state for a
+    /// parameter index no group lists, a parameter listed twice, ...).
+    #[error("{path}: {message}")]
+    BadValue {
+        /// Where in the file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Options that do not fit the call: another number of optimizers than optimizer keys, an
+    /// extra entry named like the model, optimizer or amp entry, a `param_order` for an
+    /// optimizer that was not given.
+    #[error("{message}")]
+    Options {
+        /// What is wrong and what to do.
+        message: String,
+    },
+}

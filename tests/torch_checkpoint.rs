@@ -1,0 +1,913 @@
+//! tch_amp::torch_checkpoint against PyTorch 2.13: checkpoints a Python script wrote (torch.optim
+//! SGD with momentum and two param groups, Adam, AdamW with out-of-order named groups; O0 and O2;
+//! zip and legacy containers) resume in Rust and continue bit for bit as Python continues from
+//! the same file; checkpoints Rust wrote load in Python with `weights_only=True` and continue bit
+//! for bit as the Rust run continues; bad files give typed errors and change nothing; a seeded
+//! fuzz of the checkpoint-level loader.
+//!
+//! The Python side is scripts/reference/torch_checkpoint_fixtures.py (its docstring describes
+//! the model, the scenarios and how O2 is done by hand), run with the venv's python
+//! ($TCH_AMP_PYTHON) into a temporary folder, with one intra-op thread on both sides.
+//!
+//! The rule compared at O2: the masters are the file's fp32 model values and the optimizer
+//! state is loaded straight into fp32 (tch-amp's resume, which a Python O2 loop that builds its
+//! masters from the file reproduces). Apex's own resume round-trips the state through fp16; the
+//! script also runs that ("<scenario>/apex") and the test checks it differs as the docs say.
+#[path = "common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::reference::{bits_equal, describe_diff, Fixture};
+use tch::nn::{self, ModuleT, VarStore};
+use tch::{Device, Kind, Tensor};
+use tch_amp::torch_checkpoint::{
+    self, load_torch_checkpoint, load_torch_checkpoint_value, save_torch_checkpoint, KeyPrefix, TorchCheckpointError,
+    TorchLoadOptions, TorchSaveOptions,
+};
+use tch_amp::torch_io::{self, Dict, Key, TorchIoError, Value};
+use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, OptimizerConfig};
+
+// ---------------------------------------------------------------------------------------------
+// The Python side
+
+fn python() -> String {
+    std::env::var("TCH_AMP_PYTHON").expect(
+        "TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml) or point it at a python with \
+         torch==2.13.0",
+    )
+}
+
+/// Runs the fixture script with a time limit; panics with its stderr on failure.
+fn run_script(args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/torch_checkpoint_fixtures.py");
+    let mut child = Command::new(python())
+        .arg(script)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the venv's python");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("waiting for python") {
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).ok();
+            assert!(status.success(), "torch_checkpoint_fixtures.py {args:?} failed: {err}");
+            return;
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("torch_checkpoint_fixtures.py {args:?} ran past 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The checkpoints and continuations, in a temporary folder.
+struct Fixtures {
+    dir: tempfile::TempDir,
+    fx: Fixture,
+    k: i64,
+    m: i64,
+    n: i64,
+    inject: i64,
+    factor: f64,
+}
+
+impl Fixtures {
+    fn write() -> Fixtures {
+        tch::set_num_threads(1);
+        let dir = tempfile::tempdir().unwrap();
+        run_script(&["write", dir.path().to_str().unwrap()]);
+        let fx = Fixture::read(&dir.path().join("expected.safetensors"));
+        let steps = fx.meta_json("steps");
+        let int = |k: &str| steps[k].as_i64().unwrap();
+        let (k, m, n, inject) = (int("K"), int("M"), int("N"), int("inject"));
+        let factor = steps["inject_factor"].as_f64().unwrap();
+        Fixtures { dir, fx, k, m, n, inject, factor }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Rust side: the model of the script, as a tch user writes it
+
+const SCENARIOS: [&str; 5] = ["sgd_o0", "sgd_o2", "adam_o0", "adam_o2", "adamw_named_o0"];
+
+#[derive(Debug)]
+struct Net {
+    fc1: nn::Linear,
+    bn1: nn::BatchNorm,
+    fc2: nn::Linear,
+}
+
+impl ModuleT for Net {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        xs.apply(&self.fc1).apply_t(&self.bn1, train).relu().apply(&self.fc2)
+    }
+}
+
+/// The model with the scenario's tch parameter groups (the Python optimizer's groups).
+fn net(vs: &VarStore, scenario: &str) -> Net {
+    let root = vs.root();
+    let zeros = nn::Init::Const(0.0);
+    if scenario.starts_with("sgd") {
+        // Groups [fc1, bn1] and [fc2].
+        let g1 = root.set_group(1);
+        Net {
+            fc1: nn::linear(&root / "fc1", 16, 32, Default::default()),
+            bn1: nn::batch_norm1d(&root / "bn1", 32, Default::default()),
+            fc2: nn::linear(&g1 / "fc2", 32, 10, Default::default()),
+        }
+    } else if scenario.starts_with("adam_") {
+        Net {
+            fc1: nn::linear(&root / "fc1", 16, 32, Default::default()),
+            bn1: nn::batch_norm1d(&root / "bn1", 32, Default::default()),
+            fc2: nn::linear(&root / "fc2", 32, 10, Default::default()),
+        }
+    } else {
+        // Groups [weights] and [biases, batch norm].
+        let g1 = root.set_group(1);
+        let fc1 = nn::Linear {
+            ws: (&root / "fc1").var("weight", &[32, 16], zeros),
+            bs: Some((&g1 / "fc1").var("bias", &[32], zeros)),
+        };
+        let bn1 = nn::batch_norm1d(&g1 / "bn1", 32, Default::default());
+        let fc2 = nn::Linear {
+            ws: (&root / "fc2").var("weight", &[10, 32], zeros),
+            bs: Some((&g1 / "fc2").var("bias", &[10], zeros)),
+        };
+        Net { fc1, bn1, fc2 }
+    }
+}
+
+fn optimizer_config(scenario: &str) -> (OptimizerConfig, f64) {
+    if scenario.starts_with("sgd") {
+        (nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: false }.into(), 0.1)
+    } else if scenario.starts_with("adam_") {
+        (nn::Adam::default().into(), 1e-3) // torch's defaults
+    } else {
+        (nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.into(), 1e-3)
+    }
+}
+
+struct Setup {
+    vs: VarStore,
+    model: AmpModel<Net>,
+    opt: AmpOptimizer,
+    amp: Amp,
+    dynamic: bool,
+}
+
+fn setup(scenario: &str) -> Setup {
+    let vs = VarStore::new(Device::Cpu);
+    let net = net(&vs, scenario);
+    let o2 = scenario.ends_with("o2");
+    let level = if o2 { OptLevel::O2 } else { OptLevel::O0 };
+    // Native fp16 kernels on CPU, as the Python script runs them.
+    let amp = Amp::new(&AmpConfig::new(level).verbosity(0).emulate_low_precision_on_cpu(false)).unwrap();
+    let model = amp.cast_model(&vs, net).unwrap();
+    let (config, lr) = optimizer_config(scenario);
+    let opt = amp.optimizer(&vs, config, lr).unwrap();
+    Setup { vs, model, opt, amp, dynamic: o2 }
+}
+
+struct Trace {
+    loss: Vec<Tensor>,
+    scale: Vec<f64>,
+    skipped: Vec<bool>,
+}
+
+/// `n` training steps on data steps `start..start + n`.
+fn train(s: &mut Setup, f: &Fixtures, start: i64, n: i64) -> Trace {
+    let (xs, ys) = (f.fx.get("x"), f.fx.get("y"));
+    let mut t = Trace { loss: Vec::new(), scale: Vec::new(), skipped: Vec::new() };
+    for step in start..start + n {
+        s.opt.zero_grad().unwrap();
+        let out = s.model.forward_t(&xs.get(step), true);
+        let loss = out.cross_entropy_for_logits(&ys.get(step));
+        let user = if s.dynamic && step == f.inject { &loss * f.factor } else { loss.shallow_clone() };
+        let so = s.amp.scale_loss(&user, &mut [&mut s.opt], |l| l.backward()).unwrap();
+        t.skipped.push(!s.opt.step().unwrap().stepped());
+        t.scale.push(so.loss_scale);
+        t.loss.push(loss.detach().to_kind(Kind::Float));
+    }
+    t
+}
+
+/// Differences between the Rust run and the expectation under `tag` (empty: bit for bit).
+fn compare(s: &Setup, t: &Trace, fx: &Fixture, tag: &str) -> Vec<String> {
+    let mut bad = Vec::new();
+    let (loss, scale, skipped) =
+        (fx.get(&format!("{tag}/loss")), fx.get(&format!("{tag}/scale")), fx.get(&format!("{tag}/skipped")));
+    for (i, l) in t.loss.iter().enumerate() {
+        let i64i = i as i64;
+        if !bits_equal(l, &loss.get(i64i)) {
+            bad.push(format!("{tag}: loss of step {i}: {} vs {}", l.double_value(&[]), loss.double_value(&[i64i])));
+        }
+        if t.scale[i] != scale.double_value(&[i64i]) {
+            bad.push(format!("{tag}: scale of step {i}: {} vs {}", t.scale[i], scale.double_value(&[i64i])));
+        }
+        if i64::from(t.skipped[i]) != skipped.int64_value(&[i64i]) {
+            bad.push(format!("{tag}: step {i} skipped {} vs Python", t.skipped[i]));
+        }
+    }
+    for (name, v) in s.vs.variables() {
+        let want = fx.get(&format!("{tag}/final/{name}"));
+        if !bits_equal(&v, want) {
+            bad.push(format!("{tag}: {name}: {}", describe_diff(&v, want)));
+        }
+    }
+    let record = s.opt.to_record();
+    let mut rust_buffers = 0;
+    for p in &record.params {
+        let key = format!("{tag}/master/{}", p.name);
+        match (&p.master, fx.has(&key)) {
+            (Some(m), true) if !bits_equal(m, fx.get(&key)) => {
+                bad.push(format!("{tag}: master {}: {}", p.name, describe_diff(m, fx.get(&key))))
+            }
+            (Some(_), false) | (None, true) => bad.push(format!("{tag}: master {} on one side only", p.name)),
+            _ => {}
+        }
+        for (buf, v) in &p.buffers {
+            rust_buffers += 1;
+            let key = format!("{tag}/state/{}/{buf}", p.name);
+            if !fx.has(&key) {
+                bad.push(format!("{tag}: Python has no {buf} for {}", p.name));
+            } else if !bits_equal(v, fx.get(&key)) {
+                bad.push(format!("{tag}: {} {buf}: {}", p.name, describe_diff(v, fx.get(&key))));
+            }
+        }
+        let key = format!("{tag}/step/{}", p.name);
+        if fx.has(&key) && fx.get(&key).double_value(&[]) != p.step as f64 {
+            bad.push(format!("{tag}: {} step {} vs {}", p.name, p.step, fx.get(&key).double_value(&[])));
+        }
+    }
+    let python_buffers = fx.tensors.keys().filter(|k| k.starts_with(&format!("{tag}/state/"))).count();
+    if python_buffers != rust_buffers {
+        bad.push(format!("{tag}: {rust_buffers} state tensors in Rust, {python_buffers} in Python"));
+    }
+    bad
+}
+
+/// Everything a load may change, deep-copied: variables, masters, optimizer state, step
+/// counts, learning rates, loss scalers.
+fn snapshot(s: &Setup) -> Vec<(String, Tensor)> {
+    let mut out: Vec<(String, Tensor)> = s.vs.variables().into_iter().map(|(n, t)| (n, t.copy())).collect();
+    let r = s.opt.to_record();
+    for p in &r.params {
+        if let Some(m) = &p.master {
+            out.push((format!("master/{}", p.name), m.copy()));
+        }
+        for (b, t) in &p.buffers {
+            out.push((format!("state/{}/{b}", p.name), t.copy()));
+        }
+        out.push((format!("step/{}", p.name), Tensor::from(p.step as i64)));
+    }
+    let mut scalars = vec![r.lr, r.steps as f64, r.skipped as f64, s.amp.loss_scale(0).unwrap()];
+    scalars.extend(r.group_lr.iter().flat_map(|(g, v)| [*g as f64, *v]));
+    scalars.push(s.amp.scalers()[0].unskipped() as f64);
+    out.push(("scalars".into(), Tensor::from_slice(&scalars)));
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn same_snapshot(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|((n, x), (m, y))| n == m && bits_equal(x, y))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Python's checkpoints resume in Rust
+
+#[test]
+fn python_checkpoints_resume_bit_for_bit_zip_and_legacy() {
+    let f = Fixtures::write();
+    let mut failures = Vec::new();
+    for scenario in SCENARIOS {
+        for container in ["zip", "legacy"] {
+            let mut s = setup(scenario);
+            let path = f.path(&format!("{scenario}.{container}.pt"));
+            let report = load_torch_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new())
+                .unwrap_or_else(|e| panic!("{scenario} {container}: {e}"));
+            assert!(report.amp_loaded && report.missing.is_empty() && report.unexpected.is_empty());
+            assert_eq!(report.ignored, ["bn1.num_batches_tracked"], "{scenario}");
+            assert_eq!(report.entries.get_str("epoch").map(Value::type_name), Some("int"));
+            // O2: the fp32 state dict went into the fp16 layers, rounded; nothing else converts.
+            let converted: Vec<&str> = report.converted.iter().map(|c| c.0.as_str()).collect();
+            if scenario.ends_with("o2") {
+                assert_eq!(converted, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], "{scenario}");
+                assert!(report.converted.iter().all(|c| c.1 == Kind::Float && c.2 == Kind::Half));
+            } else {
+                assert!(converted.is_empty(), "{scenario}: {converted:?}");
+            }
+            let order = &report.param_orders[0];
+            if scenario == "adamw_named_o0" {
+                // From the file's param_names (the groups are not in model order).
+                assert_eq!(order[0], ["fc1.weight", "fc2.weight"]);
+            } else if scenario.starts_with("sgd") {
+                // From the model state dict's order (model.parameters()'s), cut into the groups.
+                assert_eq!(
+                    order,
+                    &[vec!["fc1.weight", "fc1.bias", "bn1.weight", "bn1.bias"], vec!["fc2.weight", "fc2.bias"]]
+                );
+                assert_eq!((s.opt.lr_group(0), s.opt.lr_group(1)), (0.1, 0.05));
+            }
+            if scenario.ends_with("o2") {
+                assert_eq!((s.amp.loss_scale(0).unwrap(), s.amp.scalers()[0].unskipped()), (32768.0, 1998));
+            }
+            let t = train(&mut s, &f, f.k, f.n);
+            let bad = compare(&s, &t, &f.fx, scenario);
+            println!("{scenario} {container}: {}", if bad.is_empty() { "bit for bit" } else { "DIFFERS" });
+            failures.extend(bad.into_iter().map(|b| format!("{container}: {b}")));
+            if scenario.ends_with("o2") && container == "zip" {
+                // Apex's own resume of the same file differs from the uninterrupted continuation.
+                let apex = compare(&s, &t, &f.fx, &format!("{scenario}/apex"));
+                let err = f.fx.get(&format!("{scenario}/apex_state_error")).double_value(&[]);
+                println!(
+                    "{scenario}: Apex's resume: state off by up to {err:e} after loading; {} differences",
+                    apex.len()
+                );
+                for line in apex.iter().filter(|l| l.contains("master")) {
+                    println!("  {line}");
+                }
+                assert!(!apex.is_empty(), "{scenario}: Apex's lossy resume should differ");
+                assert!(err > 1e-7 && err < 1e-4, "{scenario}: state round trip error {err}");
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} differences:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn apex_adam_resume_flushes_small_second_moments_documented_numbers() {
+    // The docs' numbers: Apex's resume flushes Adam's second moments below fp16's range to 0;
+    // for fc1.bias (a layer followed by batch norm: tiny gradients) the resumed steps then move
+    // the bias by far more than the uninterrupted run does.
+    let f = Fixtures::write();
+    let fx = &f.fx;
+    let v = fx.get("adam_o2/state/fc1.bias/exp_avg_sq");
+    assert!(v.max().double_value(&[]) < 6e-8, "fc1.bias second moments are below fp16's smallest subnormal");
+    let apex = fx.get("adam_o2/apex/master/fc1.bias");
+    let ours = fx.get("adam_o2/master/fc1.bias");
+    let moved = (apex - ours).abs().max().double_value(&[]);
+    println!("Apex's resume moves fc1.bias by up to {moved:e} more than the uninterrupted run");
+    assert!(moved > 1e-2, "{moved}");
+    let sgd = fx.get("sgd_o2/apex_state_error").double_value(&[]);
+    println!("SGD momentum after Apex's load: off by up to {sgd:e}");
+    assert!(sgd > 1e-5 && sgd < 1e-4, "{sgd}");
+}
+
+#[test]
+fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
+    let f = Fixtures::write();
+    // Apex's imagenet layout from a DDP model: "module." stripped, no amp entry, the other
+    // entries handed back.
+    let mut s = setup("sgd_o0");
+    let path = f.path("sgd_o0.main_amp.pth");
+    let report =
+        load_torch_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::main_amp()).unwrap();
+    assert_eq!(report.stripped_prefix.as_deref(), Some("module."));
+    assert!(!report.amp_loaded);
+    let keys: Vec<String> = report.entries.keys().map(|k| k.to_string()).collect();
+    assert_eq!(keys, ["\"epoch\"", "\"arch\"", "\"best_prec1\""]);
+    let e = Value::Dict(report.entries);
+    assert_eq!(e.get("best_prec1").unwrap().as_f64().unwrap(), 12.5);
+    assert_eq!(e.get("arch").unwrap().as_str().unwrap(), "mlp");
+    let t = train(&mut s, &f, f.k, f.n);
+    let bad = compare(&s, &t, &f.fx, "sgd_o0");
+    assert!(bad.is_empty(), "{bad:?}");
+    // The same file with the prefix kept: nothing matches, nothing changes.
+    let mut s = setup("sgd_o0");
+    let before = snapshot(&s);
+    let opts = TorchLoadOptions::main_amp().key_prefix(KeyPrefix::Keep);
+    match load_torch_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp, &opts) {
+        Err(AmpError::TorchCheckpoint(TorchCheckpointError::KeysMismatch { missing, unexpected })) => {
+            // The 8 variables (6 parameters, 2 running statistics) and the file's 8 prefixed keys
+            // (its num_batches_tracked is ignored, not unexpected).
+            assert_eq!((missing.len(), unexpected.len()), (8, 8), "{missing:?} {unexpected:?}");
+            assert!(unexpected.iter().all(|k| k.starts_with("module.")), "{unexpected:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(same_snapshot(&before, &snapshot(&s)));
+
+    // An fp16 state dict into the fp32 model: converted (listed), or refused with exact_dtypes.
+    let half = f.path("sgd_o0.half_model.pt");
+    let mut s = setup("sgd_o0");
+    let r = load_torch_checkpoint(&half, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new()).unwrap();
+    assert_eq!(r.converted.len(), 8, "{:?}", r.converted);
+    assert!(r.converted.iter().all(|c| c.1 == Kind::Half && c.2 == Kind::Float));
+    let mut s = setup("sgd_o0");
+    let before = snapshot(&s);
+    let err =
+        load_torch_checkpoint(&half, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new().exact_dtypes(true))
+            .unwrap_err();
+    assert!(
+        matches!(&err, AmpError::TorchCheckpoint(TorchCheckpointError::DtypeMismatch { found: Kind::Half, target, .. }) if target == "fc1.weight"),
+        "{err}"
+    );
+    assert!(same_snapshot(&before, &snapshot(&s)));
+
+    // Groups out of model order without param_names: the order would be a guess, refused;
+    // given explicitly, it loads and continues bit for bit.
+    let mut tree = torch_io::load(f.path("adamw_named_o0.zip.pt")).unwrap();
+    edit(&mut tree, &["optimizer", "param_groups"], |groups| {
+        if let Value::List(gs) = groups {
+            for g in gs {
+                if let Value::Dict(d) = g {
+                    d.remove(&Key::from("param_names"));
+                }
+            }
+        }
+    });
+    let mut s = setup("adamw_named_o0");
+    let before = snapshot(&s);
+    let err = load_torch_checkpoint_value(
+        tree.shallow_clone(),
+        &s.vs,
+        &mut [&mut s.opt],
+        &mut s.amp,
+        &TorchLoadOptions::new(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, AmpError::TorchCheckpoint(TorchCheckpointError::ParamOrder { .. })), "{err}");
+    println!("{err}");
+    assert!(same_snapshot(&before, &snapshot(&s)));
+    let order = vec![
+        vec!["fc1.weight".to_string(), "fc2.weight".to_string()],
+        ["fc1.bias", "bn1.weight", "bn1.bias", "fc2.bias"].map(String::from).to_vec(),
+    ];
+    let opts = TorchLoadOptions::new().param_order(0, order);
+    load_torch_checkpoint_value(tree, &s.vs, &mut [&mut s.opt], &mut s.amp, &opts).unwrap();
+    assert_eq!((s.opt.lr_group(0), s.opt.lr_group(1)), (1e-3, 2e-3));
+    let t = train(&mut s, &f, f.k, f.n);
+    let bad = compare(&s, &t, &f.fx, "adamw_named_o0");
+    assert!(bad.is_empty(), "{bad:?}");
+
+    // optimizer_config reads the optimizer a state dict was made with.
+    for scenario in SCENARIOS {
+        let tree = torch_io::load(f.path(&format!("{scenario}.zip.pt"))).unwrap();
+        let (config, lr) =
+            torch_checkpoint::optimizer_config(&tree.get("optimizer").unwrap().value().shallow_clone()).unwrap();
+        let (want, want_lr) = optimizer_config(scenario);
+        assert_eq!(lr, want_lr, "{scenario}");
+        assert_eq!(config.name(), want.name(), "{scenario}");
+        assert_eq!(config.hyper_parameters(), want.hyper_parameters(), "{scenario}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rust's checkpoints resume in Python
+
+#[test]
+fn rust_checkpoints_resume_in_python_with_weights_only_bit_for_bit() {
+    let f = Fixtures::write();
+    let mut failures = Vec::new();
+    for scenario in SCENARIOS {
+        let mut s = setup(scenario);
+        load_torch_checkpoint(
+            f.path(&format!("{scenario}.zip.pt")),
+            &s.vs,
+            &mut [&mut s.opt],
+            &mut s.amp,
+            &TorchLoadOptions::new(),
+        )
+        .unwrap();
+        train(&mut s, &f, f.k, f.m);
+        let ckpt = f.path(&format!("{scenario}.rust.pt"));
+        let mut options = TorchSaveOptions::new().entry("epoch", 2i64);
+        if scenario == "adamw_named_o0" {
+            // The Python script's groups: weights, then biases and batch norm.
+            options = options.param_order(
+                0,
+                vec![
+                    vec!["fc1.weight".into(), "fc2.weight".into()],
+                    ["fc1.bias", "bn1.weight", "bn1.bias", "fc2.bias"].map(String::from).to_vec(),
+                ],
+            );
+        }
+        save_torch_checkpoint(&ckpt, &s.vs, &[&s.opt], &s.amp, &options).unwrap();
+        // Rust's own resume of the file: the same state.
+        let mut again = setup(scenario);
+        load_torch_checkpoint(&ckpt, &again.vs, &mut [&mut again.opt], &mut again.amp, &TorchLoadOptions::new())
+            .unwrap();
+        let (a, b) = (snapshot(&s), snapshot(&again));
+        let steps_differ = |n: &str| n.starts_with("step/") || n == "scalars";
+        for ((n, x), (_, y)) in a.iter().zip(&b) {
+            // SGD's step counts are not in torch's format; the rest must be equal.
+            if !(scenario.starts_with("sgd") && steps_differ(n)) {
+                assert!(bits_equal(x, y), "{scenario}: {n} after Rust's own round trip");
+            }
+        }
+        // Python resumes from the file; Rust continues from where it saved.
+        let out = f.path(&format!("{scenario}.resume.safetensors"));
+        let start = (f.k + f.m).to_string();
+        run_script(&["resume", scenario, ckpt.to_str().unwrap(), out.to_str().unwrap(), &start]);
+        let t = train(&mut s, &f, f.k + f.m, f.n);
+        let bad = compare(&s, &t, &Fixture::read(&out), "resume");
+        println!(
+            "{scenario}: Python resumed the Rust checkpoint {}",
+            if bad.is_empty() { "bit for bit" } else { "DIFFERENTLY" }
+        );
+        failures.extend(bad.into_iter().map(|b| format!("{scenario}: {b}")));
+    }
+    assert!(failures.is_empty(), "{} differences:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn saved_layouts_main_amp_prefix_counters_and_option_errors() {
+    let s = setup("sgd_o2");
+    let opts = TorchSaveOptions::main_amp()
+        .entry("epoch", 5i64)
+        .entry("arch", "mlp")
+        .entry("best_prec1", 71.25)
+        .key_prefix("module.")
+        .num_batches_tracked(40);
+    let v = torch_checkpoint::torch_checkpoint_value(&s.vs, &[&s.opt], &s.amp, &opts).unwrap();
+    let root = v.node();
+    let keys: Vec<String> = root.as_dict().unwrap().keys().map(|k| k.to_string()).collect();
+    assert_eq!(keys, ["\"epoch\"", "\"arch\"", "\"best_prec1\"", "\"state_dict\"", "\"optimizer\"", "\"amp\""]);
+    let sd = root.get("state_dict").unwrap();
+    let names: Vec<String> =
+        sd.as_dict().unwrap().keys().map(|k| k.to_string().trim_matches('"').to_string()).collect();
+    assert_eq!(
+        names,
+        [
+            "module.fc1.weight",
+            "module.fc1.bias",
+            "module.bn1.weight",
+            "module.bn1.bias",
+            "module.bn1.running_mean",
+            "module.bn1.running_var",
+            "module.bn1.num_batches_tracked",
+            "module.fc2.weight",
+            "module.fc2.bias"
+        ]
+    );
+    assert!(sd.as_dict().unwrap().is_ordered());
+    // fp32 model state (the masters), an int64 counter.
+    assert_eq!(sd.get("module.fc1.weight").unwrap().as_tensor().unwrap().kind(), Kind::Float);
+    let counter = sd.get("module.bn1.num_batches_tracked").unwrap().as_tensor().unwrap().shallow_clone();
+    assert_eq!((counter.kind(), counter.size(), counter.int64_value(&[])), (Kind::Int64, vec![], 40));
+    let groups = root.get("optimizer").unwrap().get("param_groups").unwrap();
+    let g1_names = groups.get(1).unwrap().get("param_names").unwrap();
+    assert_eq!(g1_names.get(0).unwrap().as_str().unwrap(), "module.fc2.weight");
+    let scaler = root.get("amp").unwrap().get("loss_scaler0").unwrap();
+    assert_eq!(scaler.get("loss_scale").unwrap().as_f64().unwrap(), 65536.0);
+    assert_eq!(scaler.get("unskipped").unwrap().as_i64().unwrap(), 0);
+
+    // Options that do not fit the call.
+    let mut s = s;
+    s.opt.set_lr_group(1, 0.05).unwrap();
+    let bad = |o: TorchSaveOptions| torch_checkpoint::torch_checkpoint_value(&s.vs, &[&s.opt], &s.amp, &o).unwrap_err();
+    for e in [
+        bad(TorchSaveOptions::new().optimizer_keys(["a", "b"])),
+        bad(TorchSaveOptions::new().entry("model", 1i64)),
+        bad(TorchSaveOptions::new().param_order(0, vec![vec!["fc1.weight".into()]])),
+        // One torch group for parameters of two learning rates.
+        bad(TorchSaveOptions::new().param_order(
+            0,
+            vec![["fc1.weight", "fc1.bias", "bn1.weight", "bn1.bias", "fc2.weight", "fc2.bias"]
+                .map(String::from)
+                .to_vec()],
+        )),
+    ] {
+        assert!(matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::Options { .. })), "{e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad files
+
+/// Applies `f` to the value at `path` (dict keys) of `tree`.
+fn edit(tree: &mut Value, path: &[&str], f: impl FnOnce(&mut Value)) {
+    // Dict has no get_mut: take the entry out, edit it, put it back in place.
+    fn go(v: &mut Value, path: &[&str], f: Box<dyn FnOnce(&mut Value) + '_>) {
+        match path.split_first() {
+            None => f(v),
+            Some((k, rest)) => {
+                let Value::Dict(d) = v else { panic!("not a dict at {k}") };
+                let keys: Vec<Key> = d.keys().cloned().collect();
+                let key = keys
+                    .iter()
+                    .find(|x| x.to_string().trim_matches('"') == *k)
+                    .unwrap_or_else(|| panic!("no {k}"))
+                    .clone();
+                let mut entries: Vec<(Key, Value)> = keys.iter().map(|x| (x.clone(), d.remove(x).unwrap())).collect();
+                for (x, e) in entries.iter_mut() {
+                    if *x == key {
+                        let mut taken = std::mem::replace(e, Value::None);
+                        go(&mut taken, rest, f);
+                        *e = taken;
+                        break;
+                    }
+                }
+                for (x, e) in entries {
+                    d.insert(x, e);
+                }
+            }
+        }
+    }
+    go(tree, path, Box::new(f));
+}
+
+fn checkpoint_bytes(tree: &Value) -> Vec<u8> {
+    torch_io::save_bytes(tree).unwrap()
+}
+
+#[test]
+fn bad_files_give_typed_errors_and_change_nothing() {
+    let f = Fixtures::write();
+    let good_path = f.path("sgd_o2.zip.pt");
+    let good = std::fs::read(&good_path).unwrap();
+    let legacy = std::fs::read(f.path("sgd_o2.legacy.pt")).unwrap();
+    let tree = || torch_io::load(&good_path).unwrap();
+    let mut s = setup("sgd_o2");
+    // Load something first, so that "nothing changed" is checked against a trained state.
+    load_torch_checkpoint(&good_path, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new()).unwrap();
+    train(&mut s, &f, f.k, 1);
+    let before = snapshot(&s);
+    let dir = tempfile::tempdir().unwrap();
+    let mut case = 0;
+    let mut check = |what: &str, bytes: Vec<u8>, ok: &dyn Fn(&AmpError) -> bool| {
+        case += 1;
+        let p = dir.path().join(format!("case{case}.pt"));
+        std::fs::write(&p, bytes).unwrap();
+        let err =
+            load_torch_checkpoint(&p, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new()).expect_err(what);
+        println!("{what}: {err}");
+        assert!(ok(&err), "{what}: unexpected error {err:?}");
+        assert!(same_snapshot(&before, &snapshot(&s)), "{what}: the failed load changed something");
+    };
+    let file = |e: &AmpError| matches!(e, AmpError::TorchFile(_));
+    check("truncated zip", good[..good.len() / 2].to_vec(), &file);
+    check("truncated legacy", legacy[..legacy.len() - 100].to_vec(), &file);
+    let mut wrong_magic = legacy.clone();
+    wrong_magic[5] ^= 0x40; // inside the magic number's LONG1 bytes
+    check("wrong magic", wrong_magic, &|e| matches!(e, AmpError::TorchFile(TorchIoError::BadMagic { .. })));
+    check("not a torch file", b"PK\x03\x04 nothing".to_vec(), &file);
+    check(
+        "a disallowed global (argparse.Namespace)",
+        std::fs::read(f.path("with_args.pt")).unwrap(),
+        &|e| matches!(e, AmpError::TorchFile(TorchIoError::DisallowedGlobal { module, name, .. }) if module == "argparse" && name == "Namespace"),
+    );
+    for key in ["optimizer", "amp", "model"] {
+        let mut t = tree();
+        if let Value::Dict(d) = &mut t {
+            d.remove(&Key::from(key));
+        }
+        check(&format!("missing {key}"), checkpoint_bytes(&t), &|e| {
+            matches!(e, AmpError::TorchFile(TorchIoError::MissingKey { .. }))
+        });
+    }
+    let mut t = tree();
+    edit(&mut t, &["model"], |m| {
+        if let Value::Dict(d) = m {
+            d.remove(&Key::from("fc2.bias"));
+        }
+    });
+    check(
+        "a missing model key",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::KeysMismatch { missing, unexpected }) if missing == &["fc2.bias"] && unexpected.is_empty()),
+    );
+    let mut t = tree();
+    edit(&mut t, &["model", "fc1.weight"], |v| *v = Value::Tensor(Tensor::zeros([32, 15], (Kind::Float, Device::Cpu))));
+    check(
+        "a shape mismatch",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ShapeMismatch { found, .. }) if found == &[32, 15]),
+    );
+    let mut t = tree();
+    edit(&mut t, &["model", "bn1.running_var"], |v| *v = Value::Tensor(Tensor::ones([32], (Kind::Int64, Device::Cpu))));
+    check("a dtype mismatch", checkpoint_bytes(&t), &|e| {
+        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::DtypeMismatch { found: Kind::Int64, .. }))
+    });
+    let mut t = tree();
+    edit(&mut t, &["model", "fc2.bias"], |v| {
+        *v = Value::Tensor(Tensor::full([10], f64::NAN, (Kind::Float, Device::Cpu)))
+    });
+    check("a NaN weight", checkpoint_bytes(&t), &|e| {
+        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::NonFinite { .. }))
+    });
+    let mut t = tree();
+    edit(&mut t, &["optimizer", "state"], |st| {
+        if let Value::Dict(d) = st {
+            d.insert(
+                Key::Int(0),
+                Value::Dict(Dict::new().with(
+                    "momentum_buffer",
+                    Value::Tensor(Tensor::full([32, 16], f64::INFINITY, (Kind::Float, Device::Cpu))),
+                )),
+            );
+        }
+    });
+    check(
+        "an inf momentum",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::NonFinite { path }) if path == "optimizer.state.0.momentum_buffer"),
+    );
+    let mut t = tree();
+    edit(&mut t, &["optimizer", "state"], |st| {
+        if let Value::Dict(d) = st {
+            d.insert(
+                Key::Int(1),
+                Value::Dict(
+                    Dict::new().with("momentum_buffer", Value::Tensor(Tensor::zeros([31], (Kind::Float, Device::Cpu)))),
+                ),
+            );
+        }
+    });
+    check(
+        "a state of the wrong shape",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ShapeMismatch { target, .. }) if target == "fc1.bias"),
+    );
+    // An optimizer state for another parameter count: the last parameter of group 1 dropped.
+    let mut t = tree();
+    edit(&mut t, &["optimizer"], |o| {
+        let Value::Dict(d) = o else { panic!() };
+        if let Some(Value::List(mut groups)) = d.remove(&Key::from("param_groups")) {
+            if let Value::Dict(g) = &mut groups[1] {
+                if let Some(Value::List(mut ids)) = g.remove(&Key::from("params")) {
+                    ids.pop();
+                    g.insert("params", Value::List(ids));
+                }
+            }
+            d.insert("param_groups", Value::List(groups));
+        }
+    });
+    check("another parameter count", checkpoint_bytes(&t), &|e| {
+        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ParamCount { in_file: 5, in_optimizer: 6, .. }))
+    });
+    let mut t = tree();
+    edit(&mut t, &["optimizer", "param_groups"], |gs| {
+        let Value::List(groups) = gs else { panic!() };
+        if let Value::Dict(g) = &mut groups[0] {
+            g.insert("momentum", Value::Float(0.5));
+        }
+    });
+    check(
+        "another momentum",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::HyperParameter { name, .. }) if name == "momentum"),
+    );
+    // An Adam checkpoint into this SGD optimizer.
+    check(
+        "another optimizer class",
+        std::fs::read(f.path("adam_o2.zip.pt")).unwrap(),
+        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::OptimizerKind { in_file, .. }) if in_file == "Adam"),
+    );
+    let mut t = tree();
+    edit(&mut t, &["amp", "loss_scaler0", "loss_scale"], |v| *v = Value::Float(-1.0));
+    check("a negative loss scale", checkpoint_bytes(&t), &|e| matches!(e, AmpError::StateMismatch { .. }));
+    let mut t = tree();
+    edit(&mut t, &["model"], |m| *m = Value::List(vec![]));
+    check("a model that is no dict", checkpoint_bytes(&t), &|e| {
+        matches!(e, AmpError::TorchFile(TorchIoError::TypeMismatch { .. }))
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fuzz
+
+/// A small seeded generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn count_nodes(v: &Value) -> usize {
+    1 + match v {
+        Value::List(x) | Value::Tuple(x) => x.iter().map(count_nodes).sum(),
+        Value::Dict(d) => d.iter().map(|(_, x)| count_nodes(x)).sum(),
+        _ => 0,
+    }
+}
+
+/// A replacement for `v`: another type, an odd number, a NaN or reshaped tensor, ...
+fn mutant(rng: &mut Rng, v: &Value) -> Option<Value> {
+    let cpu = (Kind::Float, Device::Cpu);
+    Some(match rng.below(12) {
+        0 => Value::None,
+        1 => Value::Int([0, -1, 1, i64::MAX, i64::MIN, 7][rng.below(6)]),
+        2 => Value::Float([f64::NAN, f64::INFINITY, -1.0, 0.0, 1e300, -0.0][rng.below(6)]),
+        3 => Value::Str("x".into()),
+        4 => Value::Bool(rng.below(2) == 0),
+        5 => Value::Dict(Dict::new()),
+        6 => Value::List(vec![]),
+        7 => Value::Tensor(Tensor::from(f64::NAN).to_kind(Kind::Float)),
+        _ => match v {
+            Value::Tensor(t) => Value::Tensor(match rng.below(5) {
+                0 if t.is_floating_point() => t.full_like(f64::NAN),
+                0 => t.full_like(-1),
+                1 => t.to_kind(Kind::Int64),
+                2 => t.flatten(0, -1),
+                3 => Tensor::zeros([1, 2], cpu),
+                _ => t.to_kind(Kind::Half),
+            }),
+            Value::Int(i) => Value::Int(i.wrapping_neg().wrapping_sub(rng.below(3) as i64)),
+            Value::Float(x) => Value::Float(-x * 2.0),
+            Value::Dict(_) | Value::List(_) | Value::Tuple(_) => return None, // handled by deletion
+            _ => Value::Int(3),
+        },
+    })
+}
+
+/// `v` with node number `target` (pre-order) mutated or, in a container, an element deleted.
+fn mutate(rng: &mut Rng, v: &Value, target: usize, at: &mut usize) -> Value {
+    let here = *at;
+    *at += 1;
+    if here == target {
+        match (v, mutant(rng, v)) {
+            (_, Some(m)) => return m,
+            (Value::Dict(d), None) => {
+                let drop = rng.below(d.len().max(1));
+                let mut out = if d.is_ordered() { Dict::new_ordered() } else { Dict::new() };
+                for (i, (k, x)) in d.iter().enumerate() {
+                    if i != drop {
+                        out.insert(k.clone(), x.shallow_clone());
+                    }
+                }
+                return Value::Dict(out);
+            }
+            (Value::List(x) | Value::Tuple(x), None) if !x.is_empty() => {
+                let mut x: Vec<Value> = x.iter().map(Value::shallow_clone).collect();
+                x.remove(rng.below(x.len()));
+                return Value::List(x);
+            }
+            _ => return Value::None,
+        }
+    }
+    match v {
+        Value::List(x) => Value::List(x.iter().map(|e| mutate(rng, e, target, at)).collect()),
+        Value::Tuple(x) => Value::Tuple(x.iter().map(|e| mutate(rng, e, target, at)).collect()),
+        Value::Dict(d) => {
+            let mut out = if d.is_ordered() { Dict::new_ordered() } else { Dict::new() };
+            for (k, x) in d.iter() {
+                let m = mutate(rng, x, target, at);
+                out.insert(k.clone(), m);
+            }
+            Value::Dict(out)
+        }
+        other => other.shallow_clone(),
+    }
+}
+
+/// 3,000 mutated checkpoints (one to three mutations each of a valid SGD/O2 or Adam/O2 file:
+/// wrong types, missing entries, NaN and reshaped tensors, odd numbers), seeded: no panic; a
+/// refused file changes nothing; an accepted one loads.
+#[test]
+fn fuzz_checkpoint_loader_never_panics_and_refusals_change_nothing() {
+    let f = Fixtures::write();
+    let mut rng = Rng(0x51f1_0c4e_2b7a_9d33);
+    let (mut accepted, mut refused) = (0, 0);
+    for scenario in ["sgd_o2", "adam_o2"] {
+        let seed = torch_io::load(f.path(&format!("{scenario}.zip.pt"))).unwrap();
+        let nodes = count_nodes(&seed);
+        let mut s = setup(scenario);
+        let mut before = snapshot(&s);
+        for case in 0..1500 {
+            let mut v = seed.shallow_clone();
+            for _ in 0..1 + rng.below(3) {
+                let target = rng.below(nodes);
+                v = mutate(&mut rng, &v, target, &mut 0);
+            }
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                load_torch_checkpoint_value(v, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new())
+            }));
+            match r {
+                Err(_) => panic!("{scenario} case {case} panicked"),
+                Ok(Ok(_)) => {
+                    accepted += 1;
+                    before = snapshot(&s);
+                }
+                Ok(Err(_)) => {
+                    refused += 1;
+                    assert!(
+                        same_snapshot(&before, &snapshot(&s)),
+                        "{scenario} case {case}: a refused load changed state"
+                    );
+                }
+            }
+        }
+    }
+    println!("fuzz: {accepted} accepted, {refused} refused");
+    assert!(accepted > 50 && refused > 1000, "{accepted} accepted, {refused} refused");
+}
