@@ -1,7 +1,8 @@
 //! A port of Apex's `examples/imagenet/main_amp.py` that runs on a CPU: the same flags
 //! (`--opt-level`, `--keep-batchnorm-fp32`, `--loss-scale` as strings parsed as Apex parses
 //! them, `--epochs`, `-b/--batch-size`, `--lr` scaled by batch/256, `--momentum`,
-//! `--weight-decay`, `-p/--print-freq`, `--resume`, `-e/--evaluate`), the same schedule (linear
+//! `--weight-decay`, `-p/--print-freq`, `--resume`, `-e/--evaluate`; `--optimizer fused-sgd`
+//! for apex.optimizers.FusedSGD instead of torch.optim.SGD), the same schedule (linear
 //! warm-up, then ÷10 at epochs 30, 60 and 80), the same printout, but a ResNet-style CNN on
 //! Fashion-MNIST (or any IDX data set via `--data`) instead of ResNet-50 on ImageNet.
 //!
@@ -46,7 +47,7 @@ use tch_amp::distributed::{
 };
 use tch_amp::torch_checkpoint::{load_torch_checkpoint, TorchLoadOptions};
 use tch_amp::torch_io::Value;
-use tch_amp::{initialize, load_checkpoint, save_checkpoint, StepOutcome};
+use tch_amp::{initialize, load_checkpoint, save_checkpoint, FusedSgd, OptimizerConfig, StepOutcome};
 
 use common::cli::{AmpArgs, DataArgs};
 use common::data::Split;
@@ -77,6 +78,10 @@ struct Args {
     /// Weight decay.
     #[arg(long, visible_alias = "wd", default_value_t = 1e-4)]
     weight_decay: f64,
+    /// The optimizer: `sgd` (torch.optim.SGD, as Apex's example) or `fused-sgd`
+    /// (apex.optimizers.FusedSGD, the same update).
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
+    optimizer: OptimizerArg,
     /// Epochs of linear learning-rate warm-up (Apex: 5, for 90 epochs).
     #[arg(long, default_value_t = 1)]
     warmup_epochs: usize,
@@ -107,6 +112,15 @@ struct Args {
     /// Accepted for torch.distributed.launch compatibility; torchrun sets LOCAL_RANK instead.
     #[arg(long = "local_rank", visible_alias = "local-rank")]
     local_rank: Option<usize>,
+}
+
+/// `--optimizer`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum OptimizerArg {
+    /// torch.optim.SGD.
+    Sgd,
+    /// apex.optimizers.FusedSGD.
+    FusedSgd,
 }
 
 /// What goes beside the tensors of a checkpoint.
@@ -245,8 +259,15 @@ fn run() -> Result<()> {
 
     // Scale the learning rate by the global batch size, as Apex does.
     let base_lr = args.lr * (args.batch_size * world_size) as f64 / 256.0;
-    let sgd = nn::Sgd { momentum: args.momentum, dampening: 0.0, wd: args.weight_decay, nesterov: false };
-    let (model, mut optimizer, mut amp) = initialize(&vs, net, sgd, base_lr, &config)?;
+    let optim: OptimizerConfig = match args.optimizer {
+        OptimizerArg::Sgd => {
+            nn::Sgd { momentum: args.momentum, dampening: 0.0, wd: args.weight_decay, nesterov: false }.into()
+        }
+        OptimizerArg::FusedSgd => {
+            FusedSgd { momentum: args.momentum, weight_decay: args.weight_decay, ..Default::default() }.into()
+        }
+    };
+    let (model, mut optimizer, mut amp) = initialize(&vs, net, optim, base_lr, &config)?;
 
     let mut start_epoch = 0;
     let mut best_prec1 = 0.0;

@@ -12,7 +12,10 @@ use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolic
 use crate::config::{AmpConfig, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
-use crate::optim::{build_entries, Algorithm, AmpOptimizer, CollapseInfo, OptimizerConfig, OptimizerSetup};
+use crate::optim::{
+    build_entries, resolve, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
+    UpdateRule,
+};
 use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport};
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
@@ -299,13 +302,103 @@ impl Amp {
     ) -> Result<AmpOptimizer> {
         let entries = build_entries(vs, prefixes, self.plan.masters)?;
         let config = config.into();
-        let setup = OptimizerSetup {
+        let opt = AmpOptimizer::build(
+            self.optimizer_setup(),
+            Box::new(config.rule()),
+            Some(config),
+            lr,
+            Layout::TchGroups(entries),
+        )?;
+        self.warn_fp16_adam(&opt, config);
+        Ok(opt)
+    }
+
+    /// An optimizer over parameter groups with their own hyper-parameters (torch.optim's
+    /// `Optimizer([{"params": ..., "weight_decay": 0.0}, ...], lr=lr, ...)`): the variables of
+    /// `vs` each [`ParamGroup`] selects, each group with `config`'s hyper-parameters and `lr`
+    /// unless it sets its own. Group ids are the groups' positions. Trainable variables no group
+    /// selects are not optimized (as in torch); an empty `groups` means one group per tch group,
+    /// as [`Self::optimizer`].
+    ///
+    /// ```
+    /// use tch::nn::{self, VarStore};
+    /// use tch::Device;
+    /// use tch_amp::{Amp, AmpConfig, OptLevel, ParamGroup};
+    /// # fn main() -> Result<(), tch_amp::AmpError> {
+    /// let vs = VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root() / "fc", 4, 4, Default::default());
+    /// let amp = Amp::new(&AmpConfig::new(OptLevel::O2).verbosity(0))?;
+    /// // torch: AdamW([{"params": weights, "weight_decay": 0.01},
+    /// //               {"params": biases, "weight_decay": 0.0}], lr=1e-3)
+    /// let opt = amp.optimizer_groups(
+    ///     &vs,
+    ///     nn::AdamW::default(),
+    ///     1e-3,
+    ///     &[ParamGroup::matching(|n| !n.ends_with("bias")).weight_decay(0.01), ParamGroup::rest().weight_decay(0.0)],
+    /// )?;
+    /// assert_eq!(opt.group_param_names(1), ["fc.bias"]);
+    /// assert_eq!(opt.hyper_parameters_group(1).unwrap().get("weight_decay")?, 0.0);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::optimizer`]; [`AmpError::ParamInTwoGroups`], [`AmpError::UnknownVariable`],
+    /// [`AmpError::NoVariablesUnder`] for the selections; [`AmpError::UnknownHyperParameter`]
+    /// and [`AmpError::InvalidOption`] for a group's settings.
+    pub fn optimizer_groups(
+        &self,
+        vs: &VarStore,
+        config: impl Into<OptimizerConfig>,
+        lr: f64,
+        groups: &[ParamGroup],
+    ) -> Result<AmpOptimizer> {
+        let config = config.into();
+        let layout = self.layout(vs, groups)?;
+        let opt = AmpOptimizer::build(self.optimizer_setup(), Box::new(config.rule()), Some(config), lr, layout)?;
+        self.warn_fp16_adam(&opt, config);
+        Ok(opt)
+    }
+
+    /// An optimizer running a user's [`UpdateRule`] (or a built-in one) over parameter groups
+    /// as [`Self::optimizer_groups`] (empty `groups`: one group per tch group). Masters, the
+    /// skip after an overflow, clipping, records and checkpoints work as for the built-ins.
+    ///
+    /// # Errors
+    /// As [`Self::optimizer_groups`]; the rule's [`UpdateRule::validate`] errors.
+    pub fn optimizer_with_rule(
+        &self,
+        vs: &VarStore,
+        rule: impl UpdateRule + 'static,
+        lr: f64,
+        groups: &[ParamGroup],
+    ) -> Result<AmpOptimizer> {
+        let layout = self.layout(vs, groups)?;
+        AmpOptimizer::build(self.optimizer_setup(), Box::new(rule), None, lr, layout)
+    }
+
+    fn layout(&self, vs: &VarStore, groups: &[ParamGroup]) -> Result<Layout> {
+        if groups.is_empty() {
+            Ok(Layout::TchGroups(build_entries(vs, &[], self.plan.masters)?))
+        } else {
+            Ok(Layout::Groups(resolve(vs, groups, &[], self.plan.masters)?))
+        }
+    }
+
+    fn optimizer_setup(&self) -> OptimizerSetup {
+        OptimizerSetup {
             amp_id: self.id,
             disable_casts_in_step: self.plan.o1,
             fp32_optimizer_state: self.props.fp32_optimizer_state(),
-        };
-        let opt = AmpOptimizer::new(setup, config, lr, entries)?;
-        if self.props.verbosity() >= 1 && !setup.fp32_optimizer_state && opt.has_low_precision_params_without_masters()
+            master_weights: self.plan.masters,
+        }
+    }
+
+    /// Apex's O3 Adam pitfall, said once.
+    fn warn_fp16_adam(&self, opt: &AmpOptimizer, config: OptimizerConfig) {
+        if self.props.verbosity() >= 1
+            && !self.props.fp32_optimizer_state()
+            && opt.has_low_precision_params_without_masters()
         {
             if let Algorithm::Adam(_) | Algorithm::AdamW(_) = config.algorithm() {
                 static WARNED: std::sync::Once = std::sync::Once::new();
@@ -318,7 +411,6 @@ impl Amp {
                 });
             }
         }
-        Ok(opt)
     }
 
     /// [`Self::scale_loss_with`] for loss 0, no delay.

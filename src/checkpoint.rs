@@ -21,10 +21,13 @@ use crate::amp::Amp;
 use crate::config::OptLevel;
 use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
-use crate::optim::{AmpOptimizer, OptimizerRecord, ParamRecord};
+use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
 use crate::scaling::AmpState;
 
-const FORMAT: &str = "tch-amp-checkpoint/3";
+const FORMAT: &str = "tch-amp-checkpoint/4";
+/// The format before parameter groups had hyper-parameters (per-group learning rates only);
+/// still read.
+const FORMAT_3: &str = "tch-amp-checkpoint/3";
 const METADATA_KEY: &str = "tch_amp";
 
 /// The checkpoint's metadata. Every field is required; unknown fields are an error.
@@ -37,16 +40,31 @@ struct Metadata {
     optimizers: Vec<OptimizerMeta>,
 }
 
-/// The non-tensor part of an [`OptimizerRecord`].
+/// The non-tensor part of an [`OptimizerRecord`]. Format 4 has `groups` and no `group_lr`;
+/// format 3 the reverse.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct OptimizerMeta {
     kind: String,
     hyper_parameters: BTreeMap<String, f64>,
     lr: f64,
-    group_lr: BTreeMap<usize, f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    group_lr: Option<BTreeMap<usize, f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    groups: Option<Vec<GroupMeta>>,
     steps: u64,
     skipped: u64,
+    params: Vec<String>,
+}
+
+/// A [`GroupRecord`] in the metadata.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupMeta {
+    id: usize,
+    lr: f64,
+    hyper_parameters: BTreeMap<String, f64>,
+    step: u64,
     params: Vec<String>,
 }
 
@@ -144,7 +162,19 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
             kind: r.kind.clone(),
             hyper_parameters: r.hyper_parameters.clone(),
             lr: r.lr,
-            group_lr: r.group_lr.clone(),
+            group_lr: None,
+            groups: Some(
+                r.groups
+                    .iter()
+                    .map(|g| GroupMeta {
+                        id: g.id,
+                        lr: g.lr,
+                        hyper_parameters: g.hyper_parameters.clone(),
+                        step: g.step,
+                        params: g.params.clone(),
+                    })
+                    .collect(),
+            ),
             steps: r.steps,
             skipped: r.skipped,
             params: r.params.iter().map(|p| p.name.clone()).collect(),
@@ -328,7 +358,19 @@ fn read_record(
         kind: meta.kind,
         hyper_parameters: meta.hyper_parameters,
         lr: meta.lr,
-        group_lr: meta.group_lr,
+        group_lr: meta.group_lr.unwrap_or_default(),
+        groups: meta
+            .groups
+            .unwrap_or_default()
+            .into_iter()
+            .map(|g| GroupRecord {
+                id: g.id,
+                lr: g.lr,
+                hyper_parameters: g.hyper_parameters,
+                step: g.step,
+                params: g.params,
+            })
+            .collect(),
         steps: meta.steps,
         skipped: meta.skipped,
         params,
@@ -355,17 +397,7 @@ pub fn load_checkpoint(
     amp: &mut Amp,
 ) -> Result<()> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| AmpError::Io { path: path.to_path_buf(), source })?;
-    let (_, header) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| mismatch(format!("{}: not a safetensors file ({e:?})", path.display())))?;
-    let json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).ok_or_else(|| {
-        mismatch(format!("{} is not a tch-amp checkpoint (no {METADATA_KEY:?} metadata)", path.display()))
-    })?;
-    let meta: Metadata =
-        serde_json::from_str(json).map_err(|e| mismatch(format!("{}: checkpoint metadata: {e}", path.display())))?;
-    if meta.format != FORMAT {
-        return Err(mismatch(format!("{}: format {:?}, this tch-amp reads {FORMAT:?}", path.display(), meta.format)));
-    }
+    let (bytes, meta) = open(path)?;
     let level = amp.properties().opt_level();
     if meta.opt_level != level {
         return Err(mismatch(format!("the checkpoint was written under {}, this Amp is {level}", meta.opt_level)));
@@ -395,21 +427,8 @@ pub fn load_checkpoint(
         let var = &vars[name];
         let key = format!("model/{name}");
         let v = st.tensor(&key).map_err(|_| mismatch(format!("variable {name} is missing from the checkpoint")))?;
-        let t = view_to_tensor(&key, &v)?;
-        consumed.insert(key.clone());
-        if t.size() != var.size() {
-            return Err(mismatch(format!(
-                "variable {name}: checkpoint shape {:?}, model shape {:?}",
-                t.size(),
-                var.size()
-            )));
-        }
-        let expected = if is_floating(var.kind()) && var.kind() != Kind::Double { Kind::Float } else { var.kind() };
-        if t.kind() != expected {
-            return Err(mismatch(format!("variable {name}: checkpoint dtype {:?}, expected {expected:?}", t.kind())));
-        }
-        all_finite(&key, &t)?;
-        let t = t.f_to_device(var.device()).ctx("checkpoint")?;
+        let t = stage_variable(name, var, &v)?;
+        consumed.insert(key);
         staged.insert(name.clone(), t.shallow_clone());
         model_vals.push((var.shallow_clone(), t));
     }
@@ -442,4 +461,198 @@ pub fn load_checkpoint(
     }
     amp.apply_checked_state(amp_state);
     Ok(())
+}
+
+/// Reads `path` and its metadata (format checked).
+fn open(path: &Path) -> Result<(Vec<u8>, Metadata)> {
+    let bytes = std::fs::read(path).map_err(|source| AmpError::Io { path: path.to_path_buf(), source })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| mismatch(format!("{}: not a safetensors file ({e:?})", path.display())))?;
+    let json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).ok_or_else(|| {
+        mismatch(format!("{} is not a tch-amp checkpoint (no {METADATA_KEY:?} metadata)", path.display()))
+    })?;
+    let meta: Metadata =
+        serde_json::from_str(json).map_err(|e| mismatch(format!("{}: checkpoint metadata: {e}", path.display())))?;
+    check_format(path, &meta)?;
+    Ok((bytes, meta))
+}
+
+/// Format 4 (parameter groups with hyper-parameters) or format 3 (per-group learning rates),
+/// each with exactly its own fields.
+fn check_format(path: &Path, meta: &Metadata) -> Result<()> {
+    let v4 = meta.format == FORMAT;
+    if !v4 && meta.format != FORMAT_3 {
+        return Err(mismatch(format!(
+            "{}: format {:?}, this tch-amp reads {FORMAT:?} and {FORMAT_3:?}",
+            path.display(),
+            meta.format
+        )));
+    }
+    for (i, o) in meta.optimizers.iter().enumerate() {
+        // Every parameter is in a group: a format-4 optimizer with parameters has groups.
+        let groupless = o.groups.as_ref().is_some_and(|g| g.is_empty()) && !o.params.is_empty();
+        if v4 != o.groups.is_some() || v4 == o.group_lr.is_some() || groupless {
+            return Err(mismatch(format!(
+                "{}: optimizer {i}: format {} needs {}",
+                path.display(),
+                meta.format,
+                if v4 { "\"groups\" and no \"group_lr\"" } else { "\"group_lr\" and no \"groups\"" }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint's value of variable `name`, checked against `var` (shape; dtype: fp32 for
+/// floating variables but fp64, the variable's own otherwise; finite) and moved to its device.
+fn stage_variable(name: &str, var: &Tensor, view: &TensorView<'_>) -> Result<Tensor> {
+    let key = format!("model/{name}");
+    let t = view_to_tensor(&key, view)?;
+    if t.size() != var.size() {
+        return Err(mismatch(format!(
+            "variable {name}: checkpoint shape {:?}, model shape {:?}",
+            t.size(),
+            var.size()
+        )));
+    }
+    let expected = if is_floating(var.kind()) && var.kind() != Kind::Double { Kind::Float } else { var.kind() };
+    if t.kind() != expected {
+        return Err(mismatch(format!("variable {name}: checkpoint dtype {:?}, expected {expected:?}", t.kind())));
+    }
+    all_finite(&key, &t)?;
+    t.f_to_device(var.device()).ctx("checkpoint")
+}
+
+/// What a partial load left out, as torch's `load_state_dict` reports it (its
+/// `_IncompatibleKeys`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Keys this side has that the checkpoint lacks (kept as they were).
+    pub missing_keys: Vec<String>,
+    /// Keys of the checkpoint this side does not have (ignored).
+    pub unexpected_keys: Vec<String>,
+}
+
+impl LoadReport {
+    /// Whether nothing was missing or unexpected.
+    pub fn is_complete(&self) -> bool {
+        self.missing_keys.is_empty() && self.unexpected_keys.is_empty()
+    }
+}
+
+/// Loads only the model weights of a checkpoint written by [`save_checkpoint`] (torch's
+/// `model.load_state_dict(checkpoint["model"], strict)`): every variable of `vs` found in the
+/// file gets its saved value (the fp32 value rounded to an fp16 variable's dtype), and so do
+/// the fp32 masters of `optimizers` (exactly: the file holds the masters' values), so that the
+/// next step does not overwrite the loaded weights with stale masters. Pass every optimizer
+/// over `vs` (none for inference). The opt level, optimizer state and loss scale are not
+/// touched; a checkpoint of another opt level loads as well.
+///
+/// `strict`: every variable of `vs` and no other must be in the file, else nothing is loaded
+/// and the error names them. Not strict: the variables found are loaded and the report lists
+/// the variables of `vs` the file lacks (`missing_keys`, left as they were) and the file's
+/// variables `vs` lacks (`unexpected_keys`, ignored). A shape or dtype mismatch is an error
+/// either way (as in torch).
+///
+/// # Errors
+/// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, a shape or
+/// dtype mismatch or non-finite values; [`AmpError::IncompatibleKeys`] (strict) for missing or
+/// unexpected variables. Nothing is changed then.
+pub fn load_model_weights(
+    path: impl AsRef<Path>,
+    vs: &VarStore,
+    optimizers: &mut [&mut AmpOptimizer],
+    strict: bool,
+) -> Result<LoadReport> {
+    let path = path.as_ref();
+    let (bytes, _meta) = open(path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
+    let vars = vs.variables();
+    let mut report = LoadReport::default();
+    let saved: BTreeSet<String> =
+        st.names().into_iter().filter_map(|n| n.strip_prefix("model/").map(str::to_string)).collect();
+    let mut names: Vec<&String> = vars.keys().collect();
+    names.sort();
+    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
+    for name in names {
+        match st.tensor(&format!("model/{name}")) {
+            Ok(view) => {
+                staged.insert(name.clone(), stage_variable(name, &vars[name], &view)?);
+            }
+            Err(_) => report.missing_keys.push(name.clone()),
+        }
+    }
+    report.unexpected_keys = saved.into_iter().filter(|n| !vars.contains_key(n)).collect();
+    if strict && !report.is_complete() {
+        return Err(AmpError::IncompatibleKeys {
+            what: "model weights".to_string(),
+            missing_keys: report.missing_keys,
+            unexpected_keys: report.unexpected_keys,
+        });
+    }
+    let _no_grad = tch::no_grad_guard();
+    for (name, t) in &staged {
+        let mut v = vars[name].shallow_clone();
+        v.f_copy_(t).ctx("restoring a model variable")?;
+    }
+    for o in optimizers.iter_mut() {
+        o.set_masters(&staged)?;
+    }
+    Ok(report)
+}
+
+/// Loads only the optimizer state of a checkpoint written by [`save_checkpoint`] (torch's
+/// `optimizer.load_state_dict(checkpoint["optimizer"])`): for each optimizer, the state
+/// tensors and step count of each parameter, the groups' learning rates, hyper-parameters and
+/// step counts, the default learning rate and the step/skip counters. Model weights and fp32
+/// masters are not touched ([`load_model_weights`] loads both), nor the loss scale. The
+/// optimizers must run the same rule with the same default hyper-parameters as the saved ones
+/// (the i-th given is the checkpoint's i-th).
+///
+/// `strict`: each optimizer must cover the same parameters in the same groups as the saved
+/// one, and as many optimizers must be given as were saved. Not strict: parameters and groups
+/// are matched by name and id; those of the optimizer the file lacks keep their state
+/// (`missing_keys`), those of the file the optimizer lacks are ignored (`unexpected_keys`;
+/// groups as `param_groups.<id>`), and saved optimizers beyond those given are ignored. One
+/// report per optimizer given.
+///
+/// # Errors
+/// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, another rule
+/// or other defaults, state tensors of the wrong shape, dtype or values, or (strict) the same
+/// parameters in other groups or another order; [`AmpError::IncompatibleKeys`] (strict) for
+/// parameters or groups on one side only. Nothing is changed then.
+pub fn load_optimizer_state(
+    path: impl AsRef<Path>,
+    optimizers: &mut [&mut AmpOptimizer],
+    strict: bool,
+) -> Result<Vec<LoadReport>> {
+    let path = path.as_ref();
+    let (bytes, meta) = open(path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
+    if optimizers.len() > meta.optimizers.len() || (strict && optimizers.len() != meta.optimizers.len()) {
+        return Err(mismatch(format!(
+            "checkpoint has {} optimizers, {} given",
+            meta.optimizers.len(),
+            optimizers.len()
+        )));
+    }
+    let mut staged = Vec::with_capacity(optimizers.len());
+    let mut consumed = BTreeSet::new();
+    for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
+        let no_masters = vec![false; m.params.len()];
+        let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
+        staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
+            AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
+            AmpError::IncompatibleKeys { missing_keys, unexpected_keys, .. } => {
+                AmpError::IncompatibleKeys { what: format!("optimizer {i} state"), missing_keys, unexpected_keys }
+            }
+            other => other,
+        })?);
+    }
+    let mut reports = Vec::with_capacity(staged.len());
+    for (o, s) in optimizers.iter_mut().zip(staged) {
+        let (missing_keys, unexpected_keys) = o.apply_state_only(s)?;
+        reports.push(LoadReport { missing_keys, unexpected_keys });
+    }
+    Ok(reports)
 }

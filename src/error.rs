@@ -128,6 +128,22 @@ pub enum AmpError {
         /// What differs.
         message: String,
     },
+    /// A strict partial load ([`crate::load_model_weights`], [`crate::load_optimizer_state`])
+    /// found keys on one side only (torch's `load_state_dict(strict=True)` error); nothing was
+    /// changed. Load with `strict = false` to load what matches and get these as a
+    /// [`crate::LoadReport`].
+    #[error(
+        "strict load of {what}: missing keys {missing_keys:?}, unexpected keys {unexpected_keys:?}; nothing was \
+         loaded (load with strict = false to load the keys that match)"
+    )]
+    IncompatibleKeys {
+        /// What was being loaded: `"model weights"` or `"optimizer <i> state"`.
+        what: String,
+        /// Keys this side has that the checkpoint lacks.
+        missing_keys: Vec<String>,
+        /// Keys of the checkpoint this side does not have.
+        unexpected_keys: Vec<String>,
+    },
     /// Reading a file failed.
     #[error("I/O error on {path}: {source}")]
     Io {
@@ -232,13 +248,38 @@ pub enum AmpError {
          pass) before each step(); a skipped step clears the gradients, so call step() once per backward"
     )]
     NoGradients,
-    /// `set_lr_group` for a parameter group that holds none of the optimizer's parameters.
-    #[error("parameter group {group} holds none of this optimizer's parameters (its groups are {groups:?})")]
+    /// A parameter group id the optimizer does not have (`set_lr_group` and friends).
+    #[error("parameter group {group} is not one of this optimizer's (its groups are {groups:?})")]
     UnknownParamGroup {
         /// The group given.
         group: usize,
         /// The optimizer's groups.
         groups: Vec<usize>,
+    },
+    /// A hyper-parameter name the optimizer does not have (a group override, a record, or a
+    /// rule asking for a key its defaults lack).
+    #[error("unknown hyper-parameter {name:?}: this optimizer's are {known:?}")]
+    UnknownHyperParameter {
+        /// The name given.
+        name: String,
+        /// The optimizer's hyper-parameters.
+        known: Vec<String>,
+    },
+    /// A variable selected by two parameter groups, or added to an optimizer that already
+    /// holds it (torch: "some parameters appear in more than one parameter group").
+    #[error(
+        "parameter {name:?} would be in more than one parameter group: make the groups' selections disjoint \
+         (ParamGroup::rest() takes only what the other groups leave)"
+    )]
+    ParamInTwoGroups {
+        /// The variable.
+        name: String,
+    },
+    /// A parameter group names a variable that is not a trainable variable of the VarStore.
+    #[error("{name:?} is not a trainable variable of the VarStore (check the name: VarStore paths are dotted)")]
+    UnknownVariable {
+        /// The name given.
+        name: String,
     },
     /// `scale_loss` was given a loss that is not a single number (backward needs a scalar).
     #[error(
@@ -339,6 +380,14 @@ impl<T> TorchContext<T> for std::result::Result<T, TchError> {
 /// [`AmpError::StateMismatch`] with `message`.
 pub(crate) fn mismatch(message: impl Into<String>) -> AmpError {
     AmpError::StateMismatch { message: message.into() }
+}
+
+/// A tch error from a fallible call (`f_*`) in user code that returns tch-amp's `Result`, such
+/// as an [`crate::UpdateRule`] (`param.f_mul_(..)?`).
+impl From<TchError> for AmpError {
+    fn from(source: TchError) -> Self {
+        AmpError::Torch { context: "a tch call in user code (an update rule)", source }
+    }
 }
 
 impl From<crate::config::ParseOptLevelError> for AmpError {

@@ -63,9 +63,15 @@
 //!   [`ScaleLossOutcome`], [`LossScaler`] (with [`ScaleChange`], [`ScaleChangeReason`]),
 //!   [`OverflowReport`] and [`NonFiniteGrad`] (which parameters overflowed),
 //!   [`ScalerState`] and [`AmpState`] (`amp.state_dict()`), [`unscale_`].
-//! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`], [`StepOutcome`],
-//!   [`MemoryReport`], [`OptimizerRecord`] and [`ParamRecord`] (what an optimizer saves).
-//! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`].
+//! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`] (torch.optim's
+//!   SGD/Adam/AdamW/RMSprop by tch's configs, Apex's [`FusedSgd`], [`FusedAdam`], [`FusedLamb`],
+//!   [`FusedNovoGrad`] ([`NovoGradNorm`]), [`FusedAdagrad`]), [`ParamGroup`] (torch's
+//!   `param_groups` with their own hyper-parameters), [`UpdateRule`] (a user's own optimizer,
+//!   with [`HyperParams`], [`ParamState`], [`GroupView`], [`ParamView`], [`StateSpec`],
+//!   [`StateShape`]), [`StepOutcome`], [`MemoryReport`], [`OptimizerRecord`], [`GroupRecord`] and
+//!   [`ParamRecord`] (what an optimizer saves).
+//! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`], and the
+//!   partial loads [`load_model_weights`] and [`load_optimizer_state`] ([`LoadReport`]).
 //! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
 //!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
@@ -118,12 +124,14 @@ pub use cast::policy::CastPolicy;
 pub use cast::settings::CastSettings;
 pub use cast::CpuKernels;
 pub use cast::DisableCastsGuard;
-pub use checkpoint::{load_checkpoint, save_checkpoint};
+pub use checkpoint::{load_checkpoint, load_model_weights, load_optimizer_state, save_checkpoint, LoadReport};
 pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};
 pub use error::{AmpError, Result};
-pub use model::{AmpModel, CastReport};
+pub use model::{AmpInputs, AmpModel, CastReport};
 pub use optim::{
-    unscale_, Algorithm, AmpOptimizer, MemoryReport, OptimizerConfig, OptimizerRecord, ParamRecord, StepOutcome,
+    unscale_, Algorithm, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, GroupRecord,
+    GroupView, HyperParams, MemoryReport, NovoGradNorm, OptimizerConfig, OptimizerRecord, ParamGroup, ParamRecord,
+    ParamState, ParamView, StateShape, StateSpec, StepOutcome, UpdateRule,
 };
 pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
 pub use torch_checkpoint::{

@@ -63,6 +63,107 @@ impl<M> AmpModel<M> {
     }
 }
 
+impl<M> AmpModel<M> {
+    /// Casts any number of inputs as [`Self::forward`] casts one: every floating tensor of
+    /// `inputs` (a tensor, a reference to one, a tuple of up to 8 of these, an array, a `Vec`
+    /// or a slice, nested) to the model's input dtype; integer and bool tensors unchanged
+    /// (Apex casts every floating tensor argument of `forward`).
+    pub fn cast_inputs<I: AmpInputs>(&self, inputs: I) -> I::Cast {
+        inputs.cast_each(&|t| cast(t, self.input_kind))
+    }
+
+    /// A forward pass of a model with several inputs: `inputs` cast as [`Self::cast_inputs`]
+    /// casts them, `f` called with the wrapped model and the cast inputs, and its floating
+    /// output cast as [`Self::forward`] casts an output.
+    ///
+    /// ```
+    /// use tch::nn::{self, Module, VarStore};
+    /// use tch::{Device, Kind, Tensor};
+    /// use tch_amp::{Amp, AmpConfig, OptLevel};
+    /// # fn main() -> Result<(), tch_amp::AmpError> {
+    /// let vs = VarStore::new(Device::Cpu);
+    /// let (emb, fc) = (nn::embedding(vs.root() / "emb", 10, 4, Default::default()),
+    ///                  nn::linear(vs.root() / "fc", 4, 2, Default::default()));
+    /// let amp = Amp::new(&AmpConfig::new(OptLevel::O2).verbosity(0))?;
+    /// let model = amp.cast_model(&vs, (emb, fc))?;
+    /// let ids = Tensor::from_slice(&[1i64, 7]);              // int64: left alone
+    /// let mask = Tensor::ones([2, 1], (Kind::Float, Device::Cpu)); // fp32: cast to fp16
+    /// let out = model.forward_many((&ids, &mask), |(emb, fc), (ids, mask)| {
+    ///     fc.forward(&(emb.forward(&ids) * mask))
+    /// });
+    /// assert_eq!(out.kind(), Kind::Float); // O2 outputs come back fp32
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn forward_many<I: AmpInputs>(&self, inputs: I, f: impl FnOnce(&M, I::Cast) -> Tensor) -> Tensor {
+        self.cast_output(&f(&self.inner, self.cast_inputs(inputs)))
+    }
+}
+
+/// Inputs [`AmpModel::cast_inputs`] and [`AmpModel::forward_many`] cast: a [`Tensor`] or
+/// `&Tensor`, tuples of up to 8 inputs, arrays, `Vec`s and slices of inputs, nested as needed.
+/// Implement it for a struct of inputs to cast its floating tensors the same way.
+pub trait AmpInputs {
+    /// The inputs after the cast (owned tensors in the same arrangement).
+    type Cast;
+    /// Applies `cast` to each tensor (it leaves integer and bool tensors as they are).
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> Self::Cast;
+}
+
+impl AmpInputs for Tensor {
+    type Cast = Tensor;
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> Tensor {
+        cast(self)
+    }
+}
+
+impl<T: AmpInputs + ?Sized> AmpInputs for &T {
+    type Cast = T::Cast;
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> T::Cast {
+        (**self).cast_each(cast)
+    }
+}
+
+impl<T: AmpInputs> AmpInputs for [T] {
+    type Cast = Vec<T::Cast>;
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> Vec<T::Cast> {
+        self.iter().map(|t| t.cast_each(cast)).collect()
+    }
+}
+
+impl<T: AmpInputs> AmpInputs for Vec<T> {
+    type Cast = Vec<T::Cast>;
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> Vec<T::Cast> {
+        self.as_slice().cast_each(cast)
+    }
+}
+
+impl<T: AmpInputs, const N: usize> AmpInputs for [T; N] {
+    type Cast = [T::Cast; N];
+    fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> [T::Cast; N] {
+        std::array::from_fn(|i| self[i].cast_each(cast))
+    }
+}
+
+macro_rules! tuple_inputs {
+    ($($name:ident $idx:tt),+) => {
+        impl<$($name: AmpInputs),+> AmpInputs for ($($name,)+) {
+            type Cast = ($($name::Cast,)+);
+            fn cast_each(&self, cast: &dyn Fn(&Tensor) -> Tensor) -> Self::Cast {
+                ($(self.$idx.cast_each(cast),)+)
+            }
+        }
+    };
+}
+tuple_inputs!(A 0);
+tuple_inputs!(A 0, B 1);
+tuple_inputs!(A 0, B 1, C 2);
+tuple_inputs!(A 0, B 1, C 2, D 3);
+tuple_inputs!(A 0, B 1, C 2, D 3, E 4);
+tuple_inputs!(A 0, B 1, C 2, D 3, E 4, F 5);
+tuple_inputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
+tuple_inputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
+
 fn cast(t: &Tensor, kind: Option<Kind>) -> Tensor {
     match kind {
         Some(k) if is_floating(t.kind()) && t.kind() != k => t.to_kind(k),

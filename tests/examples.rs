@@ -661,3 +661,48 @@ fn clip_masters_logs_the_gradient_norm() {
         assert_eq!(l["clipped"].as_bool(), Some(norm.is_finite() && norm > 0.5), "{l}");
     }
 }
+
+/// `--optimizer fused-sgd` (apex.optimizers.FusedSGD) trains as torch.optim.SGD does (Apex
+/// documents it as the same update; tch-amp computes the same ops): the same loss at every
+/// step of an O2 epoch.
+#[test]
+fn imagenet_fused_sgd_trains_as_sgd() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let go = |optimizer: &str| {
+        let log = dir.path().join(format!("{optimizer}.jsonl"));
+        let ck = dir.path().join(optimizer);
+        let args = [
+            "--data",
+            s(data.path()),
+            "--opt-level",
+            "O2",
+            "--train-size",
+            "192",
+            "--test-size",
+            "64",
+            "-b",
+            "64",
+            "--width",
+            "4",
+            "--stages",
+            "2",
+            "--epochs",
+            "1",
+            "--optimizer",
+            optimizer,
+            "--checkpoint-dir",
+            s(&ck),
+            "--log",
+            s(&log),
+        ];
+        run_ok("imagenet", &args);
+        read_log(&log)
+    };
+    let (sgd, fused) = (go("sgd"), go("fused-sgd"));
+    check_log(&fused, 0, 3);
+    assert_eq!(sgd.len(), fused.len());
+    for (a, b) in sgd.iter().zip(&fused) {
+        assert_eq!(a["loss"], b["loss"], "fused-sgd diverged from sgd:\n{a}\n{b}");
+    }
+}

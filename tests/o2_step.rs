@@ -10,7 +10,9 @@ use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::clear_cast_cache;
 use tch_amp::diagnostics::{cpu_memory, reset_cpu_memory_peak, set_master_grad_slice, track_cpu_memory};
-use tch_amp::{initialize, AmpConfig, OptLevel, OptimizerConfig};
+use tch_amp::{
+    initialize, AmpConfig, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, OptLevel, OptimizerConfig,
+};
 
 /// The tests change a process-wide setting and count process-wide allocations: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -78,6 +80,16 @@ fn slice_wise_step_equals_full_size_step_bit_for_bit() {
         ("sgd nesterov", nn::Sgd { momentum: 0.9, nesterov: true, wd: 1e-4, ..Default::default() }.into()),
         ("sgd dampening", nn::Sgd { momentum: 0.9, dampening: 0.3, ..Default::default() }.into()),
         ("rmsprop centered", nn::RmsProp { centered: true, momentum: 0.5, ..Default::default() }.into()),
+        // Apex's elementwise rules run slice by slice too; LAMB and NovoGrad (per-tensor norms)
+        // make every master gradient at once whatever the slice setting.
+        (
+            "fused sgd wd after momentum",
+            FusedSgd { momentum: 0.9, weight_decay: 1e-4, wd_after_momentum: true, ..Default::default() }.into(),
+        ),
+        ("fused adam l2", FusedAdam { weight_decay: 1e-3, adam_w_mode: false, ..Default::default() }.into()),
+        ("fused adagrad", FusedAdagrad { weight_decay: 1e-3, ..Default::default() }.into()),
+        ("fused lamb", FusedLamb::default().into()),
+        ("fused novograd", FusedNovoGrad { weight_decay: 1e-3, ..Default::default() }.into()),
     ];
     for (name, cfg) in configs {
         let full = train(cfg, 0, 3);

@@ -6,10 +6,16 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
+use tch::nn::VarStore;
+
+use super::engine::GradSlice;
+use super::engine::{check_lr, Optimizer, ParamStateBuffers};
 use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
+use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
-use super::record::{OptimizerRecord, ParamRecord};
-use super::rules::{GradSlice, Optimizer, OptimizerConfig};
+use super::record::{GroupRecord, OptimizerRecord, ParamRecord};
+use super::rule::{HyperParams, StateShape, UpdateRule};
+use super::rules::OptimizerConfig;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::scaling::{NonFiniteGrad, OverflowReport};
 
@@ -162,6 +168,18 @@ pub(crate) struct OptimizerSetup {
     pub(crate) disable_casts_in_step: bool,
     /// Update fp16/bf16 parameters without masters in fp32 with fp32 state.
     pub(crate) fp32_optimizer_state: bool,
+    /// fp16/bf16 parameters get fp32 masters (O2), also when added later.
+    pub(crate) master_weights: bool,
+}
+
+/// How the parameters of a new optimizer are grouped.
+#[derive(Debug)]
+pub(crate) enum Layout {
+    /// One group per tch group (`Path::set_group`) of the entries, by ascending id; the
+    /// parameters in the entries' (name) order.
+    TchGroups(Vec<ParamEntry>),
+    /// The given groups, in order (id = position); parameters group by group.
+    Groups(Vec<ResolvedGroup>),
 }
 
 /// An optimizer under AMP. Made by [`crate::Amp::optimizer`] or [`crate::initialize`].
@@ -186,16 +204,46 @@ pub struct AmpOptimizer {
 }
 
 impl AmpOptimizer {
-    pub(crate) fn new(
+    /// An optimizer running `rule` (made from `config` for the built-ins) over `layout`.
+    pub(crate) fn build(
         setup: OptimizerSetup,
-        config: OptimizerConfig,
+        rule: Box<dyn UpdateRule>,
+        config: Option<OptimizerConfig>,
         lr: f64,
-        entries: Vec<ParamEntry>,
+        layout: Layout,
     ) -> Result<Self> {
-        config.validate(lr)?;
-        let params = entries.iter().map(|e| e.update_target().shallow_clone()).collect();
-        let groups = entries.iter().map(ParamEntry::group).collect();
-        let inner = Optimizer::new(config, lr, params, groups, setup.fp32_optimizer_state)?;
+        let mut inner = Optimizer::new(rule, config, lr, setup.fp32_optimizer_state)?;
+        let defaults = inner.defaults().clone();
+        let mut entries = Vec::new();
+        match layout {
+            Layout::TchGroups(list) => {
+                let mut ids: Vec<usize> = list.iter().map(ParamEntry::group).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                for &id in &ids {
+                    inner.push_empty_group(id, lr, defaults.clone());
+                }
+                for e in list {
+                    let gi = ids.iter().position(|&id| id == e.group()).unwrap_or(0);
+                    inner.push_param(e.name().to_string(), e.update_target().shallow_clone(), gi);
+                    entries.push(e);
+                }
+            }
+            Layout::Groups(groups) => {
+                // Check every group before building any.
+                let mut checked = Vec::with_capacity(groups.len());
+                for g in &groups {
+                    let glr = g.lr.unwrap_or(lr);
+                    checked.push((glr, inner.group_hyper(glr, &g.overrides)?));
+                }
+                for (id, (g, (glr, hyper))) in groups.into_iter().zip(checked).enumerate() {
+                    let params =
+                        g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
+                    inner.push_group(id, glr, hyper, params);
+                    entries.extend(g.entries);
+                }
+            }
+        }
         let stash = entries.iter().map(|_| None).collect();
         Ok(Self {
             setup,
@@ -212,12 +260,14 @@ impl AmpOptimizer {
         })
     }
 
-    /// The learning rate.
+    /// The default learning rate (of groups that do not set their own, and of groups added
+    /// later).
     pub fn lr(&self) -> f64 {
         self.inner.lr()
     }
 
-    /// Sets the learning rate of every parameter group.
+    /// Sets the learning rate of every parameter group, and the default (torch: `for g in
+    /// optimizer.param_groups: g["lr"] = lr`).
     ///
     /// # Errors
     /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
@@ -225,26 +275,96 @@ impl AmpOptimizer {
         self.inner.set_lr(lr)
     }
 
-    /// Sets the learning rate of one parameter group (variables created under
-    /// `vs.root().set_group(group)`), as torch's per-group `lr`.
+    /// Sets the learning rate of one parameter group (torch: `param_groups[i]["lr"] = lr`).
+    /// Group ids are those of [`Self::param_groups`]: for an optimizer built from a VarStore's
+    /// groups, the tch group (variables created under `vs.root().set_group(group)`); for one
+    /// built from [`ParamGroup`]s, the group's position.
     ///
     /// # Errors
-    /// [`AmpError::UnknownParamGroup`] for a group that holds none of this optimizer's
-    /// parameters; [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing
-    /// changes).
+    /// [`AmpError::UnknownParamGroup`] for a group id the optimizer does not have;
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
     pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
-        if !self.entries.iter().any(|e| e.group() == group) {
-            return Err(AmpError::UnknownParamGroup { group, groups: self.param_groups() });
-        }
-        self.inner.set_group_lr(group, lr)
+        let index = self.group_index(group)?;
+        self.inner.set_group_lr(index, lr)
     }
 
-    /// The parameter groups of this optimizer's parameters, sorted.
+    /// Sets one hyper-parameter of one parameter group (torch: `param_groups[i]["weight_decay"]
+    /// = 0.0`; `"lr"` is the learning rate). Checked as at construction.
+    ///
+    /// # Errors
+    /// [`AmpError::UnknownParamGroup`]; [`AmpError::UnknownHyperParameter`] for a key the
+    /// optimizer does not have; [`AmpError::InvalidOption`] for a value the rule refuses
+    /// (nothing changes).
+    pub fn set_hyper_parameter(&mut self, group: usize, key: &str, value: f64) -> Result<()> {
+        let index = self.group_index(group)?;
+        if key == "lr" {
+            return self.inner.set_group_lr(index, value);
+        }
+        self.inner.set_group_hyper(index, key, value)
+    }
+
+    /// The hyper-parameters of one parameter group (without `lr`: [`Self::lr_group`]), or
+    /// `None` for an unknown group.
+    pub fn hyper_parameters_group(&self, group: usize) -> Option<&HyperParams> {
+        self.inner.group_index(group).map(|i| &self.inner.groups()[i].hyper)
+    }
+
+    /// The names of the parameters of one group, in the optimizer's order (empty for an
+    /// unknown group).
+    pub fn group_param_names(&self, group: usize) -> Vec<&str> {
+        let Some(index) = self.inner.group_index(group) else { return Vec::new() };
+        self.entries.iter().zip(self.inner.group_of()).filter(|(_, &gi)| gi == index).map(|(e, _)| e.name()).collect()
+    }
+
+    /// The ids of this optimizer's parameter groups, in order (torch's `param_groups`).
     pub fn param_groups(&self) -> Vec<usize> {
-        let mut groups: Vec<usize> = self.entries.iter().map(ParamEntry::group).collect();
-        groups.sort_unstable();
-        groups.dedup();
-        groups
+        self.inner.groups().iter().map(|g| g.id).collect()
+    }
+
+    fn group_index(&self, group: usize) -> Result<usize> {
+        self.inner.group_index(group).ok_or_else(|| AmpError::UnknownParamGroup { group, groups: self.param_groups() })
+    }
+
+    /// torch.optim's `add_param_group` after `initialize` (Apex patches it the same way under
+    /// O2): adds a group over the trainable variables of `vs` that `group` selects (created
+    /// after `initialize`, or left out of the optimizer until now), with fp32 masters for the
+    /// fp16/bf16 ones under master weights. Hyper-parameters the group does not set are the
+    /// optimizer's defaults (torch's `defaults`), the learning rate the default
+    /// [`Self::lr`]. The new parameters start without state; checkpoints and records cover the
+    /// new group (an optimizer loading them must have the same groups). Returns the new group's
+    /// id.
+    ///
+    /// Variables made after the model was cast are not cast (as in Apex): make them in the
+    /// model's dtype (fp16 under O2) to get masters.
+    ///
+    /// # Errors
+    /// [`AmpError::ParamInTwoGroups`] for a variable the optimizer already holds;
+    /// [`AmpError::UnknownVariable`], [`AmpError::NoVariablesUnder`] for a selection that names
+    /// no variable; [`AmpError::UnknownHyperParameter`] and [`AmpError::InvalidOption`] for the
+    /// group's settings. Nothing changes then.
+    pub fn add_param_group(&mut self, vs: &VarStore, group: ParamGroup) -> Result<usize> {
+        let taken: Vec<&str> = self.param_names();
+        let mut resolved = resolve(vs, std::slice::from_ref(&group), &taken, self.setup.master_weights)?;
+        let g = resolved.pop().ok_or_else(|| mismatch("no group resolved"))?;
+        let glr = g.lr.unwrap_or(self.inner.lr());
+        let hyper = self.inner.group_hyper(glr, &g.overrides)?;
+        if let (Some(d), Some(e)) = (self.device(), g.entries.first()) {
+            if e.model().device() != d {
+                return Err(AmpError::InvalidOption {
+                    option: "add_param_group",
+                    value: format!("{:?}", e.model().device()),
+                    expected: "variables on the optimizer's device",
+                });
+            }
+        }
+        let id = self.inner.groups().iter().map(|g| g.id + 1).max().unwrap_or(0);
+        let params = g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
+        self.inner.push_group(id, glr, hyper, params);
+        for e in g.entries {
+            self.entries.push(e);
+            self.stash.push(None);
+        }
+        Ok(id)
     }
 
     /// The diagnostics of the last overflow that made this optimizer skip a step (kept until
@@ -253,14 +373,20 @@ impl AmpOptimizer {
         self.last_overflow.as_ref()
     }
 
-    /// The learning rate of `group`.
+    /// The learning rate of `group` (the default [`Self::lr`] for an unknown group).
     pub fn lr_group(&self, group: usize) -> f64 {
-        self.inner.group_lr(group)
+        self.inner.group_index(group).map_or(self.inner.lr(), |i| self.inner.groups()[i].lr)
     }
 
-    /// The optimizer's configuration.
-    pub fn config(&self) -> OptimizerConfig {
+    /// The built-in configuration the optimizer runs (`None` for a user's
+    /// [`UpdateRule`]).
+    pub fn config(&self) -> Option<OptimizerConfig> {
         self.inner.config()
+    }
+
+    /// The update rule's kind ([`UpdateRule::kind`]: `"adamw"`, `"fused_lamb"`, ...).
+    pub fn rule_kind(&self) -> &str {
+        self.inner.rule().kind()
     }
 
     /// Steps taken and steps skipped so far.
@@ -618,6 +744,7 @@ impl AmpOptimizer {
         // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
         // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
         let slice_wise = SLICE_MAX.load(Ordering::Relaxed) > 0
+            && self.inner.updates_in_slices()
             && self.entries.iter().any(|e| e.master().is_some())
             && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
             && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
@@ -809,10 +936,33 @@ impl AmpOptimizer {
 }
 
 impl AmpOptimizer {
-    /// The optimizer's persistent state: learning rates, counters, and per parameter its step
-    /// count, buffers and fp32 master value. Tensors are shared, not copied: save or copy them
-    /// before the next step.
+    /// The optimizer's persistent state: the default learning rate, the parameter groups
+    /// (learning rate, hyper-parameters, step count, parameters), counters, and per parameter
+    /// its step count, state tensors and fp32 master value. Tensors are shared, not copied:
+    /// save or copy them before the next step. See [`OptimizerRecord`] for the correspondence
+    /// with torch.optim's `state_dict()`.
     pub fn to_record(&self) -> OptimizerRecord {
+        let names_of = |index: usize| -> Vec<String> {
+            self.entries
+                .iter()
+                .zip(self.inner.group_of())
+                .filter(|(_, &gi)| gi == index)
+                .map(|(e, _)| e.name().to_string())
+                .collect()
+        };
+        let groups: Vec<GroupRecord> = self
+            .inner
+            .groups()
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GroupRecord {
+                id: g.id,
+                lr: g.lr,
+                hyper_parameters: g.hyper.as_map().clone(),
+                step: g.step,
+                params: names_of(i),
+            })
+            .collect();
         let params = self
             .entries
             .iter()
@@ -820,21 +970,17 @@ impl AmpOptimizer {
             .map(|(e, st)| ParamRecord {
                 name: e.name().to_string(),
                 step: st.step(),
-                buffers: st.buffers().iter().map(|(k, v)| (k.to_string(), v.shallow_clone())).collect(),
+                buffers: st.buffers().iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(),
                 master: e.master().map(Tensor::shallow_clone),
             })
             .collect();
+        let lr = self.inner.lr();
         OptimizerRecord {
-            kind: self.inner.config().name().to_string(),
-            hyper_parameters: self
-                .inner
-                .config()
-                .hyper_parameters()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
-            lr: self.inner.lr(),
-            group_lr: self.inner.group_lrs().clone(),
+            kind: self.inner.rule().kind().to_string(),
+            hyper_parameters: self.inner.defaults().as_map().clone(),
+            lr,
+            group_lr: groups.iter().filter(|g| g.lr.to_bits() != lr.to_bits()).map(|g| (g.id, g.lr)).collect(),
+            groups,
             steps: self.steps,
             skipped: self.skipped,
             params,
@@ -842,12 +988,15 @@ impl AmpOptimizer {
     }
 
     /// Restores a record made by [`Self::to_record`] (of this optimizer or of one built the
-    /// same way). Everything is checked before anything changes: the optimizer kind, the
-    /// parameter names and order, learning rates, for each parameter either no buffers (never
-    /// updated) or exactly this optimizer's buffers, each with the parameter's shape, the state
-    /// dtype (fp32 for fp16 parameters) and finite values, and a finite fp32 master of the
-    /// right shape for each parameter with a master. Gradients are cleared and a pending skip
-    /// forgotten.
+    /// same way; or mapped from another framework's state, see [`OptimizerRecord`]).
+    /// Everything is checked before anything changes: the rule's kind and default
+    /// hyper-parameters, the parameter names and order, the groups (same ids and parameters;
+    /// their learning rates and hyper-parameters are restored, as torch's `load_state_dict`
+    /// restores `param_groups`, and checked as at construction), for each parameter either no
+    /// state (never updated) or exactly the state tensors its group's rule keeps, each with
+    /// the expected shape, the state dtype (fp32 for fp16 parameters where the rule or the
+    /// configuration says so) and finite values, and a finite fp32 master of the right shape
+    /// for each parameter with a master. Gradients are cleared and a pending skip forgotten.
     ///
     /// # Errors
     /// [`AmpError::StateMismatch`] for any difference; nothing is changed then.
@@ -856,42 +1005,90 @@ impl AmpOptimizer {
         self.apply_staged(staged)
     }
 
+    /// Checks that `record` comes from an optimizer of the same rule and defaults.
+    fn check_identity(&self, record: &OptimizerRecord) -> Result<()> {
+        let kind = self.inner.rule().kind();
+        if record.kind != kind {
+            return Err(mismatch(format!("the record is of a {} optimizer, this one is {kind}", record.kind)));
+        }
+        let ours = self.inner.defaults();
+        if !ours.same_bits(&HyperParams::from(record.hyper_parameters.clone())) {
+            return Err(mismatch(format!(
+                "the record's {} hyper-parameters are {:?}, this optimizer's are {:?}: build the optimizer with the \
+                 record's values",
+                record.kind,
+                record.hyper_parameters,
+                ours.as_map()
+            )));
+        }
+        if check_lr(record.lr).is_err() {
+            return Err(mismatch(format!("learning rate {} must be finite and >= 0", record.lr)));
+        }
+        Ok(())
+    }
+
+    /// A recorded group's settings, checked against the rule.
+    fn stage_group(&self, g: &GroupRecord) -> Result<(f64, HyperParams, u64)> {
+        let hyper = HyperParams::from(g.hyper_parameters.clone());
+        let defaults = self.inner.defaults();
+        if !hyper.keys().eq(defaults.keys()) {
+            return Err(mismatch(format!(
+                "group {}: hyper-parameters {:?}, this optimizer's are {:?}",
+                g.id,
+                hyper.keys().collect::<Vec<_>>(),
+                defaults.keys().collect::<Vec<_>>()
+            )));
+        }
+        check_lr(g.lr)
+            .and_then(|_| self.inner.rule().validate(g.lr, &hyper))
+            .map_err(|e| mismatch(format!("group {}: lr {} and {:?}: {e}", g.id, g.lr, g.hyper_parameters)))?;
+        Ok((g.lr, hyper, g.step))
+    }
+
+    /// A recorded parameter's state, checked against entry `i` and its group's `hyper`.
+    fn stage_param(
+        &self,
+        i: usize,
+        p: ParamRecord,
+        hyper: &HyperParams,
+        with_master: bool,
+    ) -> Result<(u64, ParamStateBuffers, Option<Tensor>)> {
+        let e = &self.entries[i];
+        let target = e.update_target();
+        let mut specs = self.inner.rule().state_spec(hyper);
+        specs.sort_by(|a, b| a.name().cmp(b.name()));
+        if !p.buffers.is_empty() || p.step > 0 {
+            let found: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
+            let expected: Vec<&str> = specs.iter().map(|s| s.name()).collect();
+            if found != expected {
+                return Err(mismatch(format!(
+                    "{}: optimizer state {found:?} at step {}, this optimizer keeps {expected:?}",
+                    p.name, p.step
+                )));
+            }
+        }
+        let mut buffers = ParamStateBuffers::new();
+        for (spec, (k, v)) in specs.iter().zip(p.buffers) {
+            let (kind, shape) = spec.expected(target, self.inner.state_kind(target.kind()));
+            let v = staged_tensor(&format!("{}/{k}", p.name), v, &shape, target, kind)?;
+            if spec.shape() == StateShape::Scalar && v.dim() != 0 {
+                return Err(mismatch(format!("{}/{k} must be a 0-dim tensor", p.name)));
+            }
+            buffers.insert(k, v);
+        }
+        let master = match (e.master(), p.master, with_master) {
+            (Some(m), Some(v), true) => {
+                Some(staged_tensor(&format!("{} (master)", p.name), v, &m.size(), m, Kind::Float)?)
+            }
+            (Some(_), None, true) => return Err(mismatch(format!("{}: the record has no master value", p.name))),
+            _ => None,
+        };
+        Ok((p.step, buffers, master))
+    }
+
     /// Checks `record` against this optimizer and stages its values on the parameters' device.
     pub(crate) fn stage_record(&self, record: OptimizerRecord) -> Result<StagedRecord> {
-        if record.kind != self.inner.config().name() {
-            return Err(mismatch(format!(
-                "the record is of a {} optimizer, this one is {}",
-                record.kind,
-                self.inner.config().name()
-            )));
-        }
-        let ours: BTreeMap<String, f64> =
-            self.inner.config().hyper_parameters().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        let same = ours.len() == record.hyper_parameters.len()
-            && ours
-                .iter()
-                .zip(&record.hyper_parameters)
-                .all(|((k, v), (rk, rv))| k == rk && v.to_bits() == rv.to_bits());
-        if !same {
-            return Err(mismatch(format!(
-                "the record's {} hyper-parameters are {:?}, this optimizer's are {ours:?}: build the optimizer with the \
-                 record's values",
-                record.kind, record.hyper_parameters
-            )));
-        }
-        let lr_ok = |lr: f64| lr.is_finite() && lr >= 0.0;
-        let groups = self.param_groups();
-        if let Some(g) = record.group_lr.keys().find(|g| !groups.contains(g)) {
-            return Err(mismatch(format!(
-                "the record sets the learning rate of group {g}, this optimizer's groups are {groups:?}"
-            )));
-        }
-        if !lr_ok(record.lr) || record.group_lr.values().any(|&v| !lr_ok(v)) {
-            return Err(mismatch(format!(
-                "learning rates {} / {:?} must be finite and >= 0",
-                record.lr, record.group_lr
-            )));
-        }
+        self.check_identity(&record)?;
         let names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
         if names != self.param_names() {
             return Err(mismatch(format!(
@@ -899,39 +1096,56 @@ impl AmpOptimizer {
                 self.param_names()
             )));
         }
-        let mut expected: Vec<&'static str> = self.inner.config().buffer_names().to_vec();
-        expected.sort_unstable();
-        let mut per_param = Vec::with_capacity(record.params.len());
-        for (e, p) in self.entries.iter().zip(record.params) {
-            let target = e.update_target();
-            if !p.buffers.is_empty() || p.step > 0 {
-                let found: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
-                if found != expected {
+        let ours = self.to_record().groups;
+        let groups: Vec<(f64, HyperParams, u64)> = if record.groups.is_empty() {
+            // The older form: learning rates only.
+            let ids = self.param_groups();
+            if let Some(g) = record.group_lr.keys().find(|g| !ids.contains(g)) {
+                return Err(mismatch(format!(
+                    "the record sets the learning rate of group {g}, this optimizer's groups are {ids:?}"
+                )));
+            }
+            if record.group_lr.values().any(|&v| check_lr(v).is_err()) {
+                return Err(mismatch(format!("learning rates {:?} must be finite and >= 0", record.group_lr)));
+            }
+            ours.iter()
+                .map(|g| {
+                    let glr = record.group_lr.get(&g.id).copied().unwrap_or(record.lr);
+                    let hyper = HyperParams::from(g.hyper_parameters.clone());
+                    self.inner
+                        .rule()
+                        .validate(glr, &hyper)
+                        .map_err(|e| mismatch(format!("group {}: lr {glr}: {e}", g.id)))?;
+                    Ok((glr, hyper, g.step))
+                })
+                .collect::<Result<_>>()?
+        } else {
+            if record.groups.len() != ours.len() {
+                return Err(mismatch(format!(
+                    "the record has {} parameter groups, this optimizer {} (add the same groups with \
+                     add_param_group before loading)",
+                    record.groups.len(),
+                    ours.len()
+                )));
+            }
+            let mut staged = Vec::with_capacity(ours.len());
+            for (g, r) in ours.iter().zip(&record.groups) {
+                if g.id != r.id || g.params != r.params {
                     return Err(mismatch(format!(
-                        "{}: optimizer state {found:?} at step {}, this optimizer keeps {expected:?}",
-                        p.name, p.step
+                        "the record's group {} holds {:?}, this optimizer's group {} holds {:?}",
+                        r.id, r.params, g.id, g.params
                     )));
                 }
+                staged.push(self.stage_group(r)?);
             }
-            let mut buffers = BTreeMap::new();
-            for (name, (k, v)) in expected.iter().zip(p.buffers) {
-                let v = staged_tensor(&format!("{}/{k}", p.name), v, target, self.inner.state_kind(target.kind()))?;
-                buffers.insert(*name, v);
-            }
-            let master = match (e.master(), p.master) {
-                (Some(m), Some(v)) => Some(staged_tensor(&format!("{} (master)", p.name), v, m, Kind::Float)?),
-                (Some(_), None) => return Err(mismatch(format!("{}: the record has no master value", p.name))),
-                (None, _) => None,
-            };
-            per_param.push((p.step, buffers, master));
+            staged
+        };
+        let group_of = self.inner.group_of().to_vec();
+        let mut per_param = Vec::with_capacity(record.params.len());
+        for (i, p) in record.params.into_iter().enumerate() {
+            per_param.push(self.stage_param(i, p, &groups[group_of[i]].1, true)?);
         }
-        Ok(StagedRecord {
-            lr: record.lr,
-            group_lr: record.group_lr,
-            steps: record.steps,
-            skipped: record.skipped,
-            per_param,
-        })
+        Ok(StagedRecord { lr: record.lr, groups, steps: record.steps, skipped: record.skipped, per_param })
     }
 
     /// Applies a record checked by [`Self::stage_record`].
@@ -945,12 +1159,125 @@ impl AmpOptimizer {
             }
             states.push((step, buffers));
         }
-        self.inner.restore(staged.lr, staged.group_lr, states);
+        self.inner.restore(staged.lr, staged.groups, states);
         self.steps = staged.steps;
         self.skipped = staged.skipped;
+        self.reset_transient()
+    }
+
+    /// Gradients cleared, pending skips and collapses forgotten.
+    fn reset_transient(&mut self) -> Result<()> {
         self.zero_grad()?;
         self.skip_next = None;
         self.vanished = None;
+        Ok(())
+    }
+
+    /// Checks the optimizer state of `record` (state tensors, step counts, groups' settings;
+    /// never master values) against this optimizer, matching parameters and groups by name
+    /// and id. `strict`: the parameters and groups must be the same ones; otherwise those of
+    /// the record this optimizer lacks are ignored (`unexpected`) and those it has that the
+    /// record lacks keep their state (`missing`).
+    pub(crate) fn stage_state_only(&self, record: OptimizerRecord, strict: bool) -> Result<StagedPartial> {
+        self.check_identity(&record)?;
+        let names = self.param_names();
+        let rec_names: Vec<String> = record.params.iter().map(|p| p.name.clone()).collect();
+        let missing: Vec<String> =
+            names.iter().filter(|n| !rec_names.iter().any(|r| r == *n)).map(|n| n.to_string()).collect();
+        let unexpected: Vec<String> = rec_names.iter().filter(|r| !names.contains(&r.as_str())).cloned().collect();
+        if strict && (!missing.is_empty() || !unexpected.is_empty()) {
+            return Err(AmpError::IncompatibleKeys {
+                what: "optimizer state".to_string(),
+                missing_keys: missing,
+                unexpected_keys: unexpected,
+            });
+        }
+        let ours = self.to_record().groups;
+        let mut missing_groups = Vec::new();
+        let mut unexpected_groups = Vec::new();
+        let mut groups = Vec::new();
+        for (gi, g) in ours.iter().enumerate() {
+            match record.groups.iter().find(|r| r.id == g.id) {
+                Some(r) => {
+                    if strict && r.params != g.params {
+                        return Err(mismatch(format!(
+                            "the record's group {} holds {:?}, this optimizer's holds {:?}",
+                            r.id, r.params, g.params
+                        )));
+                    }
+                    let (lr, hyper, step) = self.stage_group(r)?;
+                    groups.push((gi, lr, hyper, step));
+                }
+                None if record.groups.is_empty() => {}
+                None => missing_groups.push(format!("param_groups.{}", g.id)),
+            }
+        }
+        for r in &record.groups {
+            if !ours.iter().any(|g| g.id == r.id) {
+                unexpected_groups.push(format!("param_groups.{}", r.id));
+            }
+        }
+        if strict
+            && (!missing.is_empty()
+                || !unexpected.is_empty()
+                || !missing_groups.is_empty()
+                || !unexpected_groups.is_empty())
+        {
+            return Err(AmpError::IncompatibleKeys {
+                what: "optimizer state".to_string(),
+                missing_keys: [missing, missing_groups].concat(),
+                unexpected_keys: [unexpected, unexpected_groups].concat(),
+            });
+        }
+        if strict && rec_names != names.iter().map(|n| n.to_string()).collect::<Vec<_>>() {
+            return Err(mismatch(format!(
+                "the record covers parameters {rec_names:?} in another order than {names:?}"
+            )));
+        }
+        let group_of = self.inner.group_of().to_vec();
+        let mut per_param = Vec::new();
+        for p in record.params {
+            let Some(i) = names.iter().position(|n| *n == p.name) else { continue };
+            let hyper = groups
+                .iter()
+                .find(|(gi, ..)| *gi == group_of[i])
+                .map_or_else(|| self.inner.groups()[group_of[i]].hyper.clone(), |(_, _, h, _)| h.clone());
+            let (step, buffers, _) = self.stage_param(i, p, &hyper, false)?;
+            per_param.push((i, step, buffers));
+        }
+        Ok(StagedPartial {
+            lr: record.lr,
+            groups,
+            steps: record.steps,
+            skipped: record.skipped,
+            per_param,
+            missing: [missing, missing_groups].concat(),
+            unexpected: [unexpected, unexpected_groups].concat(),
+        })
+    }
+
+    /// Applies a state checked by [`Self::stage_state_only`]; returns the missing and
+    /// unexpected keys.
+    pub(crate) fn apply_state_only(&mut self, staged: StagedPartial) -> Result<(Vec<String>, Vec<String>)> {
+        self.inner.set_default_lr(staged.lr);
+        self.inner.restore_groups(staged.groups);
+        self.inner.restore_params(staged.per_param);
+        self.steps = staged.steps;
+        self.skipped = staged.skipped;
+        self.reset_transient()?;
+        Ok((staged.missing, staged.unexpected))
+    }
+
+    /// Sets the fp32 masters of the parameters named in `values` (fp32 tensors on the
+    /// parameters' device, already checked) and leaves the others.
+    pub(crate) fn set_masters(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        for e in &self.entries {
+            if let (Some(m), Some(v)) = (e.master(), values.get(e.name())) {
+                let mut m = m.shallow_clone();
+                m.f_copy_(v).ctx("restoring a master weight")?;
+            }
+        }
         Ok(())
     }
 }
@@ -988,16 +1315,28 @@ pub(crate) struct ParamLayout {
 #[derive(Debug)]
 pub(crate) struct StagedRecord {
     lr: f64,
-    group_lr: BTreeMap<usize, f64>,
+    groups: Vec<(f64, HyperParams, u64)>,
     steps: u64,
     skipped: u64,
-    per_param: Vec<(u64, BTreeMap<&'static str, Tensor>, Option<Tensor>)>,
+    per_param: Vec<(u64, ParamStateBuffers, Option<Tensor>)>,
 }
 
-/// `v` checked against `like` (shape), of dtype `kind`, finite, moved to `like`'s device.
-fn staged_tensor(what: &str, v: Tensor, like: &Tensor, kind: Kind) -> Result<Tensor> {
-    if v.size() != like.size() || v.kind() != kind {
-        return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {:?}", v.kind(), v.size(), like.size())));
+/// An optimizer state (no masters) checked against an optimizer, matched by name.
+#[derive(Debug)]
+pub(crate) struct StagedPartial {
+    lr: f64,
+    groups: Vec<(usize, f64, HyperParams, u64)>,
+    steps: u64,
+    skipped: u64,
+    per_param: Vec<(usize, u64, ParamStateBuffers)>,
+    missing: Vec<String>,
+    unexpected: Vec<String>,
+}
+
+/// `v` checked against `shape` and `kind`, finite, moved to `like`'s device.
+fn staged_tensor(what: &str, v: Tensor, shape: &[i64], like: &Tensor, kind: Kind) -> Result<Tensor> {
+    if v.size() != shape || v.kind() != kind {
+        return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {shape:?}", v.kind(), v.size())));
     }
     crate::diagnostics::note_host_read();
     let finite = v.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checking a state")?;

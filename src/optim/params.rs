@@ -61,26 +61,42 @@ fn trainable_groups(vs: &VarStore) -> Result<Vec<(Tensor, usize)>> {
     Ok(v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect())
 }
 
-/// The trainable (requires_grad) variables of `vs` under `prefixes`, sorted by name, with
-/// fp32 masters for the low-precision ones when `master_weights`.
-pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bool) -> Result<Vec<ParamEntry>> {
+/// A trainable variable of a VarStore, before it becomes a [`ParamEntry`].
+#[derive(Debug)]
+pub(crate) struct Candidate {
+    pub(crate) name: String,
+    var: Tensor,
+    group: usize,
+    order: usize,
+}
+
+/// The trainable (requires_grad) variables of `vs`, sorted by name, with their tch group and
+/// creation order.
+pub(crate) fn trainable(vs: &VarStore) -> Result<Vec<Candidate>> {
     let vars = vs.variables();
     let groups = trainable_groups(vs)?;
-    let mut names: Vec<&String> = vars.keys().filter(|n| under_prefix(n, prefixes)).collect();
-    names.sort();
-    if names.is_empty() && !prefixes.is_empty() {
-        return Err(AmpError::NoVariablesUnder { prefixes: prefixes.iter().map(|p| p.to_string()).collect() });
-    }
-    let _no_grad = tch::no_grad_guard();
-    let mut entries = Vec::new();
-    for name in names {
-        let var = &vars[name];
-        if !var.requires_grad() {
-            continue;
-        }
-        let master = if master_weights && is_low_precision(var.kind()) {
+    let mut out: Vec<Candidate> = vars
+        .into_iter()
+        .filter(|(_, v)| v.requires_grad())
+        .map(|(name, var)| {
+            let found = groups.iter().position(|(t, _)| t.is_set_to(&var));
+            let group = found.map_or(0, |i| groups[i].1);
+            let order = found.unwrap_or(usize::MAX);
+            Candidate { name, var, group, order }
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+impl Candidate {
+    /// The entry, with an fp32 master for a low-precision variable when `master_weights`.
+    pub(crate) fn into_entry(self, master_weights: bool) -> Result<ParamEntry> {
+        let _no_grad = tch::no_grad_guard();
+        let master = if master_weights && is_low_precision(self.var.kind()) {
             Some(
-                var.f_detach()
+                self.var
+                    .f_detach()
                     .ctx("creating a master weight")?
                     .f_to_kind(Kind::Float)
                     .ctx("creating a master weight")?,
@@ -88,12 +104,22 @@ pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bo
         } else {
             None
         };
-        let found = groups.iter().position(|(t, _)| t.is_set_to(var));
-        let group = found.map_or(0, |i| groups[i].1);
-        let order = found.unwrap_or(usize::MAX);
-        entries.push(ParamEntry { name: name.clone(), model: var.shallow_clone(), group, order, master });
+        Ok(ParamEntry { name: self.name, model: self.var, group: self.group, order: self.order, master })
     }
-    Ok(entries)
+}
+
+/// The trainable (requires_grad) variables of `vs` under `prefixes`, sorted by name, with
+/// fp32 masters for the low-precision ones when `master_weights`.
+pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bool) -> Result<Vec<ParamEntry>> {
+    let all_names = vs.variables();
+    if !prefixes.is_empty() && !all_names.keys().any(|n| under_prefix(n, prefixes)) {
+        return Err(AmpError::NoVariablesUnder { prefixes: prefixes.iter().map(|p| p.to_string()).collect() });
+    }
+    trainable(vs)?
+        .into_iter()
+        .filter(|c| under_prefix(&c.name, prefixes))
+        .map(|c| c.into_entry(master_weights))
+        .collect()
 }
 
 /// model ← master (rounded to the model's dtype) for every entry with a master.

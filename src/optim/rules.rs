@@ -1,38 +1,46 @@
-//! The update rules tch-amp steps with: SGD, Adam, AdamW and RMSprop, configured by tch's own
-//! config structs, computed on tch tensors (tch's libtorch optimizers give no access to their
-//! state, and a checkpoint that loses Adam's moments cannot resume bit-exactly). By default
-//! they are torch.optim's single-tensor algorithm op for op (bit for bit,
-//! tests/amp/optim_bitwise.rs); Adam/AdamW can run libtorch's fused kernel instead (torch's
-//! `fused=True`).
+//! The built-in update rules: torch.optim's SGD, Adam, AdamW and RMSprop, configured by tch's
+//! own config structs, and Apex's fused optimizers (`super::apex`), computed on tch tensors
+//! (tch's libtorch optimizers give no access to their state, and a checkpoint that loses
+//! Adam's moments cannot resume bit-exactly). torch.optim's rules are its single-tensor
+//! algorithm op for op (bit for bit, tests/amp/optim_bitwise.rs); Adam/AdamW can run libtorch's
+//! fused kernel instead (torch's `fused=True`). [`OptimizerConfig`] names a built-in rule and
+//! implements [`UpdateRule`] through [`BuiltinRule`].
 use std::collections::BTreeMap;
 
 use tch::{nn, Kind, Tensor};
 
-use crate::dtype::is_low_precision;
+use super::apex::{self, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd};
+use super::rule::{GroupView, HyperParams, ParamState, StateSpec, UpdateRule};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::sys;
 
-/// Which optimizer (tch's config structs hold its hyper-parameters; the learning rate is
-/// passed separately, as in `tch::nn::OptimizerConfig::build`), plus the torch.optim flags
-/// tch's structs lack: `maximize` and `fused`. Made from a tch config with `.into()` or
-/// [`OptimizerConfig::from`]; `nn::Adam::default()` and friends are accepted wherever an
+/// Which built-in optimizer and its hyper-parameters (tch's config structs for torch.optim's,
+/// [`FusedSgd`] and friends for Apex's; the learning rate is passed separately, as in
+/// `tch::nn::OptimizerConfig::build`), plus the torch.optim flags tch's structs lack:
+/// `maximize` and `fused`. Made with `.into()` or [`OptimizerConfig::from`];
+/// `nn::Adam::default()`, `FusedLamb::default()` and friends are accepted wherever an
 /// `impl Into<OptimizerConfig>` is.
 ///
-/// By default every optimizer runs PyTorch's single-tensor algorithm (`foreach=False,
+/// By default torch.optim's optimizers run PyTorch's single-tensor algorithm (`foreach=False,
 /// fused=False`, what torch.optim runs for CPU tensors): the same libtorch ops in the same
 /// order, so a ported script's weights and optimizer state equal its Python run's bit for bit.
 /// [`OptimizerConfig::fused`] selects libtorch's fused Adam/AdamW kernel instead (torch's
 /// `fused=True`): one kernel per learning rate instead of about ten per parameter (2.5-15x
 /// faster optimizer steps on CPU, more the more parameter tensors), equal to torch's
-/// `fused=True` bit for bit but not to its default in the last bits.
+/// `fused=True` bit for bit but not to its default in the last bits. Apex's optimizers are
+/// described in [`FusedSgd`], [`FusedAdam`], [`FusedLamb`], [`FusedNovoGrad`] and
+/// [`FusedAdagrad`].
 ///
 /// ```
 /// use tch::nn;
-/// use tch_amp::{Algorithm, OptimizerConfig};
+/// use tch_amp::{Algorithm, FusedLamb, OptimizerConfig};
 /// // torch.optim.Adam(params, lr, betas=(0.9, 0.999), maximize=True, fused=True)
 /// let cfg = OptimizerConfig::from(nn::adam(0.9, 0.999, 0.0)).maximize(true).fused(true);
 /// assert!(cfg.is_fused() && cfg.is_maximize());
 /// assert!(matches!(cfg.algorithm(), Algorithm::Adam(_)));
+/// // apex.optimizers.FusedLAMB(params, lr, weight_decay=0.01, max_grad_norm=1.0)
+/// let lamb = OptimizerConfig::from(FusedLamb { weight_decay: 0.01, ..Default::default() });
+/// assert_eq!(lamb.name(), "fused_lamb");
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct OptimizerConfig {
@@ -41,7 +49,7 @@ pub struct OptimizerConfig {
     fused: bool,
 }
 
-/// The optimizer and its hyper-parameters, as tch's config structs.
+/// The optimizer and its hyper-parameters.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub enum Algorithm {
@@ -53,6 +61,16 @@ pub enum Algorithm {
     AdamW(nn::AdamW),
     /// `torch.optim.RMSprop` (alpha, momentum, centered).
     RmsProp(nn::RmsProp),
+    /// `apex.optimizers.FusedSGD`.
+    FusedSgd(FusedSgd),
+    /// `apex.optimizers.FusedAdam`.
+    FusedAdam(FusedAdam),
+    /// `apex.optimizers.FusedLAMB`.
+    FusedLamb(FusedLamb),
+    /// `apex.optimizers.FusedNovoGrad`.
+    FusedNovoGrad(FusedNovoGrad),
+    /// `apex.optimizers.FusedAdagrad`.
+    FusedAdagrad(FusedAdagrad),
 }
 
 impl From<Algorithm> for OptimizerConfig {
@@ -60,40 +78,32 @@ impl From<Algorithm> for OptimizerConfig {
         OptimizerConfig { algorithm, maximize: false, fused: false }
     }
 }
-impl From<nn::Sgd> for OptimizerConfig {
-    fn from(c: nn::Sgd) -> Self {
-        Algorithm::Sgd(c).into()
-    }
+macro_rules! config_from {
+    ($($ty:ty => $variant:ident),*) => {$(
+        impl From<$ty> for OptimizerConfig {
+            fn from(c: $ty) -> Self {
+                Algorithm::$variant(c).into()
+            }
+        }
+    )*};
 }
-impl From<nn::Adam> for OptimizerConfig {
-    fn from(c: nn::Adam) -> Self {
-        Algorithm::Adam(c).into()
-    }
-}
-impl From<nn::AdamW> for OptimizerConfig {
-    fn from(c: nn::AdamW) -> Self {
-        Algorithm::AdamW(c).into()
-    }
-}
-impl From<nn::RmsProp> for OptimizerConfig {
-    fn from(c: nn::RmsProp) -> Self {
-        Algorithm::RmsProp(c).into()
-    }
-}
+config_from!(nn::Sgd => Sgd, nn::Adam => Adam, nn::AdamW => AdamW, nn::RmsProp => RmsProp,
+    FusedSgd => FusedSgd, FusedAdam => FusedAdam, FusedLamb => FusedLamb, FusedNovoGrad => FusedNovoGrad,
+    FusedAdagrad => FusedAdagrad);
 
 impl OptimizerConfig {
-    /// torch.optim's `maximize`: step along the gradient instead of against it (every
-    /// optimizer; default false).
+    /// torch.optim's `maximize`: step along the gradient instead of against it (torch.optim's
+    /// optimizers; default false; Apex's have no such option and refuse it).
     pub fn maximize(mut self, on: bool) -> Self {
         self.maximize = on;
         self
     }
 
     /// torch.optim's `fused=True` for Adam and AdamW: one libtorch `_fused_adam_` /
-    /// `_fused_adamw_` call per learning rate instead of the single-tensor algorithm. Its
+    /// `_fused_adamw_` call per parameter group instead of the single-tensor algorithm. Its
     /// results differ from the default's in the last bits (it computes the update in another
-    /// order), as torch's do. Default false. Building an optimizer with `fused(true)` for SGD
-    /// or RMSprop is [`crate::AmpError::InvalidOption`].
+    /// order), as torch's do. Default false. Building an optimizer with `fused(true)` for any
+    /// other optimizer is [`crate::AmpError::InvalidOption`].
     pub fn fused(mut self, on: bool) -> Self {
         self.fused = on;
         self
@@ -114,25 +124,49 @@ impl OptimizerConfig {
         self.fused
     }
 
-    /// The optimizer's kind as records name it: `"sgd"`, `"adam"`, `"adamw"` or `"rmsprop"`.
+    /// The optimizer's kind as records name it: `"sgd"`, `"adam"`, `"adamw"`, `"rmsprop"`,
+    /// `"fused_sgd"`, `"fused_adam"`, `"fused_lamb"`, `"fused_novograd"` or `"fused_adagrad"`.
     pub fn name(&self) -> &'static str {
         match self.algorithm {
             Algorithm::Sgd(_) => "sgd",
             Algorithm::Adam(_) => "adam",
             Algorithm::AdamW(_) => "adamw",
             Algorithm::RmsProp(_) => "rmsprop",
+            Algorithm::FusedSgd(_) => "fused_sgd",
+            Algorithm::FusedAdam(_) => "fused_adam",
+            Algorithm::FusedLamb(_) => "fused_lamb",
+            Algorithm::FusedNovoGrad(_) => "fused_novograd",
+            Algorithm::FusedAdagrad(_) => "fused_adagrad",
         }
     }
 
-    /// Names of the per-parameter state buffers this optimizer keeps.
+    fn is_apex(&self) -> bool {
+        matches!(
+            self.algorithm,
+            Algorithm::FusedSgd(_)
+                | Algorithm::FusedAdam(_)
+                | Algorithm::FusedLamb(_)
+                | Algorithm::FusedNovoGrad(_)
+                | Algorithm::FusedAdagrad(_)
+        )
+    }
+
+    /// Names of the per-parameter state buffers this optimizer keeps with its default
+    /// hyper-parameters (torch checkpoints, `src/torch_checkpoint/`).
     pub(crate) fn buffer_names(&self) -> &'static [&'static str] {
         match self.algorithm {
             Algorithm::Sgd(c) if c.momentum != 0.0 => &["momentum_buffer"],
-            Algorithm::Sgd(_) => &[],
+            Algorithm::FusedSgd(c) if c.momentum != 0.0 => &["momentum_buffer"],
+            Algorithm::Sgd(_) | Algorithm::FusedSgd(_) => &[],
             Algorithm::Adam(nn::Adam { amsgrad: true, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad: true, .. }) => {
                 &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
             }
-            Algorithm::Adam(_) | Algorithm::AdamW(_) => &["exp_avg", "exp_avg_sq"],
+            Algorithm::Adam(_)
+            | Algorithm::AdamW(_)
+            | Algorithm::FusedAdam(_)
+            | Algorithm::FusedLamb(_)
+            | Algorithm::FusedNovoGrad(_) => &["exp_avg", "exp_avg_sq"],
+            Algorithm::FusedAdagrad(_) => &["sum"],
             Algorithm::RmsProp(c) => match (c.momentum != 0.0, c.centered) {
                 (true, true) => &["square_avg", "momentum_buffer", "grad_avg"],
                 (true, false) => &["square_avg", "momentum_buffer"],
@@ -141,13 +175,13 @@ impl OptimizerConfig {
             },
         }
     }
-}
 
-impl OptimizerConfig {
-    /// The hyper-parameters besides the learning rate, by torch.optim's names (`momentum`,
-    /// `dampening`, `weight_decay`, `nesterov`, `beta1`, `beta2`, `eps`, `amsgrad`, `alpha`,
-    /// `centered`, `maximize`; flags as 0 or 1). Checkpoints record them, and a checkpoint made with other
-    /// values does not load.
+    /// The hyper-parameters besides the learning rate, by torch.optim's (or Apex's) names
+    /// (`momentum`, `dampening`, `weight_decay`, `nesterov`, `beta1`, `beta2`, `eps`,
+    /// `amsgrad`, `alpha`, `centered`, `maximize`; Apex's `bias_correction`, `adam_w_mode`,
+    /// `grad_averaging`, `max_grad_norm`, `use_nvlamb`, ...; flags as 0 or 1). These are the
+    /// optimizer's defaults, which parameter groups may override; checkpoints record them, and
+    /// a checkpoint made with other values does not load.
     pub fn hyper_parameters(&self) -> BTreeMap<&'static str, f64> {
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         let pairs: Vec<(&'static str, f64)> = match self.algorithm {
@@ -168,16 +202,110 @@ impl OptimizerConfig {
                 ("momentum", c.momentum),
                 ("centered", flag(c.centered)),
             ],
+            _ => return self.defaults().iter().filter_map(|(k, v)| static_key(k).map(|k| (k, v))).collect(),
         };
         pairs.into_iter().chain([("maximize", flag(self.maximize))]).collect()
+    }
+
+    /// [`Self::hyper_parameters`] as [`HyperParams`] (the rule's defaults).
+    pub(crate) fn defaults(&self) -> HyperParams {
+        match self.algorithm {
+            Algorithm::FusedSgd(c) => c.hyper(),
+            Algorithm::FusedAdam(c) => c.hyper(),
+            Algorithm::FusedLamb(c) => c.hyper(),
+            Algorithm::FusedNovoGrad(c) => c.hyper(),
+            Algorithm::FusedAdagrad(c) => c.hyper(),
+            _ => self.hyper_parameters().into_iter().collect(),
+        }
+    }
+
+    /// This configuration with a group's hyper-parameters.
+    fn with_hyper(&self, h: &HyperParams) -> Result<OptimizerConfig> {
+        let algorithm = match self.algorithm {
+            Algorithm::Sgd(_) => Algorithm::Sgd(nn::Sgd {
+                momentum: h.get("momentum")?,
+                dampening: h.get("dampening")?,
+                wd: h.get("weight_decay")?,
+                nesterov: h.flag("nesterov")?,
+            }),
+            Algorithm::Adam(_) => Algorithm::Adam(nn::Adam {
+                beta1: h.get("beta1")?,
+                beta2: h.get("beta2")?,
+                wd: h.get("weight_decay")?,
+                eps: h.get("eps")?,
+                amsgrad: h.flag("amsgrad")?,
+            }),
+            Algorithm::AdamW(_) => Algorithm::AdamW(nn::AdamW {
+                beta1: h.get("beta1")?,
+                beta2: h.get("beta2")?,
+                wd: h.get("weight_decay")?,
+                eps: h.get("eps")?,
+                amsgrad: h.flag("amsgrad")?,
+            }),
+            Algorithm::RmsProp(_) => Algorithm::RmsProp(nn::RmsProp {
+                alpha: h.get("alpha")?,
+                eps: h.get("eps")?,
+                wd: h.get("weight_decay")?,
+                momentum: h.get("momentum")?,
+                centered: h.flag("centered")?,
+            }),
+            Algorithm::FusedSgd(_) => Algorithm::FusedSgd(FusedSgd::from_hyper(h)?),
+            Algorithm::FusedAdam(_) => Algorithm::FusedAdam(FusedAdam::from_hyper(h)?),
+            Algorithm::FusedLamb(_) => Algorithm::FusedLamb(FusedLamb::from_hyper(h)?),
+            Algorithm::FusedNovoGrad(_) => Algorithm::FusedNovoGrad(FusedNovoGrad::from_hyper(h)?),
+            Algorithm::FusedAdagrad(_) => Algorithm::FusedAdagrad(FusedAdagrad::from_hyper(h)?),
+        };
+        let maximize = if self.is_apex() { false } else { h.flag("maximize")? };
+        Ok(OptimizerConfig { algorithm, maximize, fused: self.fused })
+    }
+
+    /// The hyper-parameters Apex reads from the optimizer, not from a group (`adam_w_mode`,
+    /// LAMB's `max_grad_norm` and `use_nvlamb`, ...): groups cannot override them.
+    fn optimizer_wide(&self) -> &'static [&'static str] {
+        match self.algorithm {
+            Algorithm::FusedSgd(_) => FusedSgd::GLOBAL,
+            Algorithm::FusedAdam(_) => FusedAdam::GLOBAL,
+            Algorithm::FusedLamb(_) => FusedLamb::GLOBAL,
+            Algorithm::FusedNovoGrad(_) => FusedNovoGrad::GLOBAL,
+            Algorithm::FusedAdagrad(_) => FusedAdagrad::GLOBAL,
+            _ => &[],
+        }
+    }
+
+    /// The state tensors of a parameter of a group with hyper-parameters `h`.
+    fn state_spec(&self, h: &HyperParams) -> Vec<StateSpec> {
+        let Ok(c) = self.with_hyper(h) else { return Vec::new() };
+        let names: &[&str] = match c.algorithm {
+            Algorithm::Sgd(c) if c.momentum != 0.0 => &["momentum_buffer"],
+            Algorithm::Sgd(_) => &[],
+            Algorithm::Adam(nn::Adam { amsgrad: true, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad: true, .. }) => {
+                &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+            }
+            Algorithm::Adam(_) | Algorithm::AdamW(_) => &["exp_avg", "exp_avg_sq"],
+            Algorithm::RmsProp(c) => match (c.momentum != 0.0, c.centered) {
+                (true, true) => &["square_avg", "momentum_buffer", "grad_avg"],
+                (true, false) => &["square_avg", "momentum_buffer"],
+                (false, true) => &["square_avg", "grad_avg"],
+                (false, false) => &["square_avg"],
+            },
+            Algorithm::FusedSgd(_) => return apex::sgd_state(h),
+            Algorithm::FusedAdam(_) => return apex::adam_state(),
+            Algorithm::FusedLamb(_) => return apex::lamb_state(),
+            Algorithm::FusedNovoGrad(_) => return apex::novograd_state(),
+            Algorithm::FusedAdagrad(_) => return apex::adagrad_state(),
+        };
+        names.iter().map(|n| StateSpec::like_param(*n)).collect()
     }
 
     /// Checks `lr` and the hyper-parameters as torch.optim's constructors do (their
     /// `ValueError`s): lr >= 0; SGD momentum >= 0, weight_decay >= 0, Nesterov only with
     /// momentum > 0 and dampening 0; Adam/AdamW eps >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
-    /// weight_decay >= 0; RMSprop lr, eps, momentum, weight_decay, alpha >= 0. Stricter than
-    /// torch: every value must also be finite (torch accepts an infinite lr and a NaN SGD
-    /// momentum or dampening, which turn the weights NaN at the first step).
+    /// weight_decay >= 0; RMSprop lr, eps, momentum, weight_decay, alpha >= 0. Apex's
+    /// optimizers as Apex's constructors do (FusedSGD as torch's SGD; `amsgrad` refused;
+    /// NovoGrad's `norm_type` 2 or 0), with betas in [0, 1), eps and weight decay >= 0 and
+    /// LAMB's `max_grad_norm` > 0. Stricter than torch: every value must also be finite (torch
+    /// accepts an infinite lr and a NaN SGD momentum or dampening, which turn the weights NaN
+    /// at the first step). `fused` only for Adam/AdamW, `maximize` not for Apex's optimizers.
     ///
     /// # Errors
     /// [`AmpError::InvalidOption`] naming the first bad value, with torch's wording.
@@ -194,6 +322,21 @@ impl OptimizerConfig {
             check((0.0..1.0).contains(&v), option, v, "a number in [0, 1) (torch: \"Invalid beta parameter\")")
         };
         non_negative("lr", lr)?;
+        if self.fused && !matches!(self.algorithm, Algorithm::Adam(_) | Algorithm::AdamW(_)) {
+            return Err(AmpError::InvalidOption {
+                option: "fused",
+                value: format!("{:?}", self.algorithm),
+                expected: "Adam or AdamW (tch-amp has no fused kernel for SGD or RMSprop; Apex's optimizers run \
+                           their own algorithm): drop .fused(true)",
+            });
+        }
+        if self.maximize && self.is_apex() {
+            return Err(AmpError::InvalidOption {
+                option: "maximize",
+                value: "true".into(),
+                expected: "false: Apex's optimizers have no maximize option",
+            });
+        }
         match self.algorithm {
             Algorithm::Sgd(c) => {
                 non_negative("momentum", c.momentum)?;
@@ -221,198 +364,130 @@ impl OptimizerConfig {
                 non_negative("weight_decay", c.wd)?;
                 non_negative("alpha", c.alpha)?;
             }
+            Algorithm::FusedSgd(c) => apex::validate_sgd(&c)?,
+            Algorithm::FusedAdam(c) => apex::validate_adam(&c)?,
+            Algorithm::FusedLamb(c) => apex::validate_lamb(&c)?,
+            Algorithm::FusedNovoGrad(c) => apex::validate_novograd(&c)?,
+            Algorithm::FusedAdagrad(c) => apex::validate_adagrad(&c)?,
         }
         Ok(())
     }
-}
 
-/// Per-parameter state: the step count and the named buffers.
-#[derive(Debug, Default)]
-pub(crate) struct ParamState {
-    step: u64,
-    buffers: BTreeMap<&'static str, Tensor>,
-}
-
-impl ParamState {
-    fn buffer(&mut self, name: &'static str, like: &Tensor) -> Result<Tensor> {
-        if let Some(t) = self.buffers.get(name) {
-            return Ok(t.shallow_clone());
-        }
-        let t = like.f_zeros_like().ctx("allocating optimizer state")?;
-        self.buffers.insert(name, t.shallow_clone());
-        Ok(t)
+    /// The rule that runs this configuration.
+    pub(crate) fn rule(self) -> BuiltinRule {
+        BuiltinRule { config: self }
     }
 }
 
-impl ParamState {
-    /// Updates applied to this parameter so far.
-    pub(crate) fn step(&self) -> u64 {
-        self.step
-    }
-    /// The named buffers (empty before the first update).
-    pub(crate) fn buffers(&self) -> &BTreeMap<&'static str, Tensor> {
-        &self.buffers
-    }
+/// The `&'static str` of a known hyper-parameter name.
+fn static_key(k: &str) -> Option<&'static str> {
+    const KEYS: &[&str] = &[
+        "momentum",
+        "dampening",
+        "weight_decay",
+        "nesterov",
+        "wd_after_momentum",
+        "beta1",
+        "beta2",
+        "eps",
+        "adam_w_mode",
+        "bias_correction",
+        "grad_averaging",
+        "max_grad_norm",
+        "use_nvlamb",
+        "reg_inside_moment",
+        "norm_type",
+        "init_zero",
+        "adagrad_w_mode",
+    ];
+    KEYS.iter().copied().find(|s| *s == k)
 }
 
-/// An optimizer over a fixed list of parameters (fp32 masters under O2).
-#[derive(Debug)]
-pub(crate) struct Optimizer {
+/// A built-in configuration as an [`UpdateRule`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BuiltinRule {
     config: OptimizerConfig,
-    /// Learning rate of every group without its own.
-    lr: f64,
-    /// Per-group learning rates (tch's `Path::set_group`), overriding `lr`.
-    group_lr: BTreeMap<usize, f64>,
-    params: Vec<Tensor>,
-    groups: Vec<usize>,
-    state: Vec<ParamState>,
-    /// fp16/bf16 parameters are updated in fp32 with fp32 state (else in their own dtype, as
-    /// torch.optim and Apex's O3 do).
-    fp32_state: bool,
 }
 
-impl Optimizer {
-    pub(crate) fn new(
-        config: OptimizerConfig,
-        lr: f64,
-        params: Vec<Tensor>,
-        groups: Vec<usize>,
-        fp32_state: bool,
-    ) -> Result<Self> {
-        check_lr(lr)?;
-        if config.fused && !matches!(config.algorithm, Algorithm::Adam(_) | Algorithm::AdamW(_)) {
-            return Err(AmpError::InvalidOption {
-                option: "fused",
-                value: format!("{:?}", config.algorithm),
-                expected: "Adam or AdamW (tch-amp has no fused kernel for SGD or RMSprop): drop .fused(true)",
-            });
-        }
-        let state = params.iter().map(|_| ParamState::default()).collect();
-        Ok(Self { config, lr, group_lr: BTreeMap::new(), params, groups, state, fp32_state })
+impl UpdateRule for BuiltinRule {
+    fn kind(&self) -> &str {
+        self.config.name()
     }
 
-    pub(crate) fn config(&self) -> OptimizerConfig {
-        self.config
+    fn defaults(&self) -> HyperParams {
+        self.config.defaults()
     }
 
-    /// The dtype of the optimizer state of a parameter of `param_kind`: its own, or fp32 for
-    /// fp16/bf16 parameters when the state is kept in fp32.
-    pub(crate) fn state_kind(&self, param_kind: Kind) -> Kind {
-        if self.fp32_state && is_low_precision(param_kind) {
-            Kind::Float
-        } else {
-            param_kind
-        }
-    }
-
-    /// The learning rate of groups without their own.
-    pub(crate) fn lr(&self) -> f64 {
-        self.lr
-    }
-
-    /// Sets the learning rate of every group (per-group rates are dropped).
-    pub(crate) fn set_lr(&mut self, lr: f64) -> Result<()> {
-        check_lr(lr)?;
-        self.lr = lr;
-        self.group_lr.clear();
-        Ok(())
-    }
-
-    /// Sets the learning rate of one group.
-    pub(crate) fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<()> {
-        check_lr(lr)?;
-        self.group_lr.insert(group, lr);
-        Ok(())
-    }
-
-    /// The learning rate of `group`.
-    pub(crate) fn group_lr(&self, group: usize) -> f64 {
-        self.group_lr.get(&group).copied().unwrap_or(self.lr)
-    }
-
-    /// The per-group learning rates that override [`Self::lr`].
-    pub(crate) fn group_lrs(&self) -> &BTreeMap<usize, f64> {
-        &self.group_lr
-    }
-
-    /// The state of every parameter, in order.
-    pub(crate) fn states(&self) -> &[ParamState] {
-        &self.state
-    }
-
-    /// Replaces learning rates and per-parameter state (already validated by the caller).
-    pub(crate) fn restore(
-        &mut self,
-        lr: f64,
-        group_lr: BTreeMap<usize, f64>,
-        states: Vec<(u64, BTreeMap<&'static str, Tensor>)>,
-    ) {
-        self.lr = lr;
-        self.group_lr = group_lr;
-        for (st, (step, buffers)) in self.state.iter_mut().zip(states) {
-            st.step = step;
-            st.buffers = buffers;
-        }
-    }
-
-    /// One update of every parameter that has a gradient (PyTorch skips the others too), in
-    /// PyTorch's single-tensor algorithm, or Adam/AdamW's fused kernel when configured.
-    pub(crate) fn step(&mut self) -> Result<()> {
-        let _no_grad = tch::no_grad_guard();
-        let OptimizerConfig { algorithm, maximize, fused } = self.config;
-        // fused: Adam/AdamW parameters are batched per learning rate into one kernel call.
-        let mut batches: BTreeMap<u64, FusedBatch> = BTreeMap::new();
-        let mut write_back: Vec<(Tensor, Tensor)> = Vec::new();
-        for ((param, st), group) in self.params.iter().zip(self.state.iter_mut()).zip(&self.groups) {
-            let lr = self.group_lr.get(group).copied().unwrap_or(self.lr);
-            let grad = param.grad();
-            if !grad.defined() {
-                continue;
+    fn validate(&self, lr: f64, hyper: &HyperParams) -> Result<()> {
+        // The optimizer as constructed (e.g. Apex's amsgrad refusal), then the group.
+        self.config.validate(lr)?;
+        let defaults = self.config.defaults();
+        for key in self.config.optimizer_wide() {
+            if hyper.get(key)?.to_bits() != defaults.get(key)?.to_bits() {
+                return Err(AmpError::InvalidOption {
+                    option: "param group",
+                    value: format!("{key} = {} in a group, {} for the optimizer", hyper.get(key)?, defaults.get(key)?),
+                    expected: "the optimizer's value: Apex reads this option from the optimizer, not from its groups \
+                               (set it on the optimizer's config)",
+                });
             }
-            // fp16/bf16 parameters without masters (O3) run in their own dtype as in torch.optim
-            // and Apex, or, with fp32_optimizer_state, in fp32 with fp32 state, rounded once: in
-            // fp16, Adam's eps (1e-8) rounds to 0 and tiny squared gradients underflow, so the
-            // fp16 update divides by zero.
-            let low = self.fp32_state && is_low_precision(param.kind());
-            let (p, grad) = if low {
-                (param.f_to_kind(Kind::Float).ctx("fp32 update")?, grad.f_to_kind(Kind::Float).ctx("fp32 update")?)
-            } else {
-                (param.shallow_clone(), grad)
-            };
-            st.step += 1;
-            match algorithm {
-                Algorithm::Sgd(c) => sgd(&p, &grad, st, lr, c, maximize)?,
-                Algorithm::RmsProp(c) => rmsprop(&p, &grad, st, lr, c, maximize)?,
-                Algorithm::Adam(c) if !fused => {
-                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
-                    adam(&p, &grad, st, lr, h, false, maximize)?
-                }
-                Algorithm::AdamW(c) if !fused => {
-                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
-                    adam(&p, &grad, st, lr, h, true, maximize)?
-                }
-                Algorithm::Adam(nn::Adam { amsgrad, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad, .. }) => {
-                    let batch = batches.entry(lr.to_bits()).or_default();
-                    batch.exp_avgs.push(st.buffer("exp_avg", &p)?);
-                    batch.exp_avg_sqs.push(st.buffer("exp_avg_sq", &p)?);
-                    if amsgrad {
-                        batch.max_exp_avg_sqs.push(st.buffer("max_exp_avg_sq", &p)?);
+        }
+        self.config.with_hyper(hyper)?.validate(lr)
+    }
+
+    fn state_spec(&self, hyper: &HyperParams) -> Vec<StateSpec> {
+        self.config.state_spec(hyper)
+    }
+
+    fn is_elementwise(&self) -> bool {
+        !matches!(self.config.algorithm, Algorithm::FusedLamb(_) | Algorithm::FusedNovoGrad(_))
+    }
+
+    fn step(&self, groups: &mut [GroupView<'_>]) -> Result<()> {
+        match self.config.algorithm {
+            Algorithm::FusedSgd(c) => return apex::sgd_step(groups, c.wd_after_momentum),
+            Algorithm::FusedAdam(c) => return apex::adam_step(groups, c.adam_w_mode),
+            Algorithm::FusedLamb(c) => return apex::lamb_step(groups, &c),
+            Algorithm::FusedNovoGrad(c) => return apex::novograd_step(groups, c.reg_inside_moment),
+            Algorithm::FusedAdagrad(c) => return apex::adagrad_step(groups, c.adagrad_w_mode),
+            _ => {}
+        }
+        for g in groups.iter_mut() {
+            let OptimizerConfig { algorithm, maximize, fused } = self.config.with_hyper(g.hyper())?;
+            let lr = g.lr();
+            // fused: the group's Adam/AdamW parameters in one kernel call.
+            let mut batch = FusedBatch::default();
+            for view in g.params_mut() {
+                let (p, grad, st) = view.parts();
+                let grad = grad.shallow_clone();
+                match algorithm {
+                    Algorithm::Sgd(c) => sgd(p, &grad, st, lr, c, maximize)?,
+                    Algorithm::RmsProp(c) => rmsprop(p, &grad, st, lr, c, maximize)?,
+                    Algorithm::Adam(c) if !fused => {
+                        let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
+                        adam(p, &grad, st, lr, h, false, maximize)?
                     }
-                    let step = torch_step_value(st.step);
-                    batch.steps.push(Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?);
-                    batch.params.push(p.shallow_clone());
-                    batch.grads.push(grad);
+                    Algorithm::AdamW(c) if !fused => {
+                        let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
+                        adam(p, &grad, st, lr, h, true, maximize)?
+                    }
+                    Algorithm::Adam(nn::Adam { amsgrad, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad, .. }) => {
+                        batch.exp_avgs.push(st.buffer_or_zeros("exp_avg", p)?);
+                        batch.exp_avg_sqs.push(st.buffer_or_zeros("exp_avg_sq", p)?);
+                        if amsgrad {
+                            batch.max_exp_avg_sqs.push(st.buffer_or_zeros("max_exp_avg_sq", p)?);
+                        }
+                        let step = torch_step_value(st.step());
+                        batch.steps.push(Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?);
+                        batch.params.push(p.shallow_clone());
+                        batch.grads.push(grad);
+                    }
+                    _ => {}
                 }
             }
-            if low {
-                write_back.push((param.shallow_clone(), p));
+            if !batch.params.is_empty() {
+                batch.run(algorithm, lr, maximize)?;
             }
-        }
-        for (lr_bits, batch) in batches {
-            batch.run(algorithm, f64::from_bits(lr_bits), maximize)?;
-        }
-        for (mut target, p) in write_back {
-            target.f_copy_(&p).ctx("rounding an fp32 update")?;
         }
         Ok(())
     }
@@ -454,14 +529,6 @@ impl FusedBatch {
     }
 }
 
-pub(crate) fn check_lr(lr: f64) -> Result<()> {
-    if lr.is_finite() && lr >= 0.0 {
-        Ok(())
-    } else {
-        Err(AmpError::InvalidOption { option: "lr", value: lr.to_string(), expected: "a finite number >= 0" })
-    }
-}
-
 // The single-tensor updates below follow torch/optim/{sgd,adam,rmsprop}.py of PyTorch 2.13
 // (`_single_tensor_*`, capturable=False, differentiable=False) op for op: the same libtorch
 // kernels with the same scalars, so every intermediate rounds where torch's does (a Python
@@ -483,10 +550,10 @@ fn sgd(p: &Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::Sgd, maxi
         grad = sys::add(&grad, p, c.wd)?;
     }
     if c.momentum != 0.0 {
-        let buf = match st.buffers.get("momentum_buffer") {
+        let buf = match st.buffer("momentum_buffer") {
             None => {
                 let b = grad.f_detach_copy().ctx("SGD momentum buffer")?;
-                st.buffers.insert("momentum_buffer", b.shallow_clone());
+                st.set_buffer("momentum_buffer", b.shallow_clone());
                 b
             }
             Some(b) => {
@@ -528,20 +595,20 @@ fn adam(
             grad = sys::add(&grad, p, h.wd)?;
         }
     }
-    let mut exp_avg = st.buffer("exp_avg", p)?;
-    let exp_avg_sq = st.buffer("exp_avg_sq", p)?;
+    let mut exp_avg = st.buffer_or_zeros("exp_avg", p)?;
+    let exp_avg_sq = st.buffer_or_zeros("exp_avg_sq", p)?;
     let _ = exp_avg.f_lerp_(&grad, 1.0 - h.beta1).ctx("Adam first moment")?;
     sys::mul_float_(&exp_avg_sq, h.beta2)?;
     sys::addcmul_(&exp_avg_sq, &grad, &grad, 1.0 - h.beta2)?;
     // Python floats: `beta ** step` and `x ** 0.5` are libm's pow, which black_box keeps the
     // compiler from turning into sqrt (pow(x, 0.5) is not always correctly rounded).
-    let step = torch_step_value(st.step);
+    let step = torch_step_value(st.step());
     let bias_correction1 = 1.0 - h.beta1.powf(step);
     let bias_correction2 = 1.0 - h.beta2.powf(step);
     let step_size = lr / bias_correction1;
     let bias_correction2_sqrt = bias_correction2.powf(std::hint::black_box(0.5));
     let second = if h.amsgrad {
-        let max_exp_avg_sq = st.buffer("max_exp_avg_sq", p)?;
+        let max_exp_avg_sq = st.buffer_or_zeros("max_exp_avg_sq", p)?;
         let _ = max_exp_avg_sq.f_maximum_out(&max_exp_avg_sq, &exp_avg_sq).ctx("amsgrad maximum")?;
         max_exp_avg_sq
     } else {
@@ -557,11 +624,11 @@ fn rmsprop(p: &Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::RmsPr
     if c.wd != 0.0 {
         grad = sys::add(&grad, p, c.wd)?;
     }
-    let square_avg = st.buffer("square_avg", p)?;
+    let square_avg = st.buffer_or_zeros("square_avg", p)?;
     sys::mul_float_(&square_avg, c.alpha)?;
     sys::addcmul_(&square_avg, &grad, &grad, 1.0 - c.alpha)?;
     let avg = if c.centered {
-        let mut grad_avg = st.buffer("grad_avg", p)?;
+        let mut grad_avg = st.buffer_or_zeros("grad_avg", p)?;
         let _ = grad_avg.f_lerp_(&grad, 1.0 - c.alpha).ctx("RMSprop centered")?;
         let mut v = sys::addcmul(&square_avg, &grad_avg, &grad_avg, -1.0)?;
         let _ = v.f_sqrt_().ctx("RMSprop centered")?;
@@ -571,110 +638,11 @@ fn rmsprop(p: &Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::RmsPr
     };
     sys::add_float_(&avg, c.eps)?;
     if c.momentum > 0.0 {
-        let buf = st.buffer("momentum_buffer", p)?;
+        let buf = st.buffer_or_zeros("momentum_buffer", p)?;
         sys::mul_float_(&buf, c.momentum)?;
         sys::addcdiv_(&buf, &grad, &avg, 1.0)?;
         sys::add_(p, &buf, -lr)
     } else {
         sys::addcdiv_(p, &grad, &avg, -lr)
-    }
-}
-
-// ---- Updating one parameter slice by slice -----------------------------------------------------
-// O2's step materializes each fp32 master gradient a slice at a time, right before its update
-// (src/optim/amp_optimizer.rs), so that no full-size fp32 gradient exists. Every rule here is
-// elementwise, so updating a parameter slice by slice gives its whole-tensor update bit for bit.
-// What this needs from the rules: a per-parameter update callable on views (`param`, `grad`
-// and a `ParamState` whose buffers are views), which creates missing buffers the way the
-// whole-tensor update does.
-
-/// One slice of a parameter's gradient for [`Optimizer::update_in_slices`]: the fp32 gradient
-/// of the flat elements `[start, start + grad.numel())`.
-pub(crate) struct GradSlice {
-    pub(crate) start: i64,
-    pub(crate) grad: Tensor,
-}
-
-impl Optimizer {
-    /// Updates parameter `i` (contiguous, fp32 or fp64) from its gradient given slice by slice:
-    /// `next` yields the slices in order until the parameter is covered (`None` ends it), and
-    /// `done(start, len)` runs after each slice's update (O2 rounds the updated master slice into
-    /// the model there). The step count goes up once. Buffers the rule creates at a
-    /// parameter's first update are created full-size and filled slice by slice.
-    pub(crate) fn update_in_slices(
-        &mut self,
-        i: usize,
-        next: &mut dyn FnMut() -> Result<Option<GradSlice>>,
-        done: &mut dyn FnMut(i64, i64) -> Result<()>,
-    ) -> Result<()> {
-        let _no_grad = tch::no_grad_guard();
-        let lr = self.group_lr(self.groups[i]);
-        let config = self.config;
-        let param = self.params[i].shallow_clone();
-        let st = &mut self.state[i];
-        st.step += 1;
-        let existing: Vec<&'static str> = st.buffers.keys().copied().collect();
-        let flat = |t: &Tensor| t.f_view([-1]).ctx("a parameter slice");
-        let param_flat = flat(&param)?;
-        let state_flat: Vec<(&'static str, Tensor)> =
-            existing.iter().map(|name| Ok((*name, flat(&st.buffers[name])?))).collect::<Result<_>>()?;
-        let adam_step =
-            Tensor::f_scalar_tensor(torch_step_value(st.step), (Kind::Float, param.device())).ctx("Adam step")?;
-        let numel = param_flat.numel() as i64;
-        while let Some(GradSlice { start, grad }) = next()? {
-            let len = grad.numel() as i64;
-            let slice = |t: &Tensor| {
-                if len == numel {
-                    Ok(t.shallow_clone())
-                } else {
-                    t.f_narrow(0, start, len).ctx("a parameter slice")
-                }
-            };
-            let p = slice(&param_flat)?;
-            let mut view = ParamState { step: st.step, buffers: BTreeMap::new() };
-            for (name, t) in &state_flat {
-                view.buffers.insert(*name, slice(t)?);
-            }
-            let OptimizerConfig { algorithm, maximize, fused } = config;
-            match algorithm {
-                Algorithm::Sgd(c) => sgd(&p, &grad, &mut view, lr, c, maximize)?,
-                Algorithm::RmsProp(c) => rmsprop(&p, &grad, &mut view, lr, c, maximize)?,
-                Algorithm::Adam(c) if !fused => {
-                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
-                    adam(&p, &grad, &mut view, lr, h, false, maximize)?
-                }
-                Algorithm::AdamW(c) if !fused => {
-                    let h = AdamHyper { beta1: c.beta1, beta2: c.beta2, eps: c.eps, wd: c.wd, amsgrad: c.amsgrad };
-                    adam(&p, &grad, &mut view, lr, h, true, maximize)?
-                }
-                Algorithm::Adam(nn::Adam { amsgrad, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad, .. }) => {
-                    let mut batch = FusedBatch::default();
-                    batch.exp_avgs.push(view.buffer("exp_avg", &p)?);
-                    batch.exp_avg_sqs.push(view.buffer("exp_avg_sq", &p)?);
-                    if amsgrad {
-                        batch.max_exp_avg_sqs.push(view.buffer("max_exp_avg_sq", &p)?);
-                    }
-                    batch.steps.push(adam_step.shallow_clone());
-                    batch.params.push(p.shallow_clone());
-                    batch.grads.push(grad.shallow_clone());
-                    batch.run(algorithm, lr, maximize)?;
-                }
-            }
-            // Buffers created for this slice (the parameter's first update): into full-size state.
-            for (name, slice) in view.buffers {
-                if existing.contains(&name) {
-                    continue;
-                }
-                if !st.buffers.contains_key(name) {
-                    st.buffers.insert(name, param.f_empty_like().ctx("allocating optimizer state")?);
-                }
-                flat(&st.buffers[name])?
-                    .f_narrow(0, start, len)
-                    .and_then(|mut t| t.f_copy_(&slice))
-                    .ctx("optimizer state slice")?;
-            }
-            done(start, len)?;
-        }
-        Ok(())
     }
 }

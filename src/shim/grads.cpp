@@ -53,4 +53,10 @@ char* tch_amp_total_norm(at::Tensor** tensors, int n, double norm_type, at::Tens
   })
 }
 
+// *out = torch.linalg.vector_norm(tensor, ord, dtype=torch.float32): one tensor's norm in fp32 as
+// a new 0-dim tensor (Apex's LAMB and NovoGrad take per-tensor norms).
+char* tch_amp_vector_norm(at::Tensor* tensor, double ord, at::Tensor** out) {
+  TCH_AMP_PROTECT(*out = new at::Tensor(at::linalg_vector_norm(*tensor, ord, {}, false, at::kFloat)))
+}
+
 }  // extern "C"

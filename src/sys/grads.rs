@@ -1,5 +1,5 @@
 //! Gradient plumbing (`src/shim/grads.cpp`): set or clear `.grad`, the fused unscale with an
-//! inf/NaN flag, and the fp32 total norm.
+//! inf/NaN flag, and the fp32 total and per-tensor norms.
 use std::ffi::{c_char, c_int};
 
 use tch::Tensor;
@@ -22,6 +22,7 @@ extern "C" {
         norm_type: f64,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn tch_amp_vector_norm(tensor: *mut C_tensor, ord: f64, out: *mut *mut C_tensor) -> *mut c_char;
 }
 
 /// Sets `t.grad` to `grad` (shared, no copy), or to None (freeing it) for `None`.
@@ -49,6 +50,15 @@ pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
     let mut out: *mut C_tensor = std::ptr::null_mut();
     // SAFETY: live handles in; `out` receives a new at::Tensor we own.
     check(unsafe { tch_amp_total_norm(handles.as_ptr(), n, norm_type, &mut out) }, "total_norm")?;
+    // SAFETY: `out` was allocated by the shim with `new at::Tensor`, which tch frees.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// `torch.linalg.vector_norm(t, ord, dtype=torch.float32)`: a 0-dim fp32 tensor.
+pub(crate) fn vector_norm(t: &Tensor, ord: f64) -> Result<Tensor> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: a live handle in; `out` receives a new at::Tensor we own.
+    check(unsafe { tch_amp_vector_norm(ptr(t), ord, &mut out) }, "vector_norm")?;
     // SAFETY: `out` was allocated by the shim with `new at::Tensor`, which tch frees.
     Ok(unsafe { Tensor::from_ptr(out) })
 }

@@ -20,7 +20,7 @@ mod grads;
 mod optim;
 
 pub(crate) use autocast::{autocast_clear_cache, autocast_get, autocast_set, find_schema, set_allow_tf32};
-pub(crate) use grads::{set_grad, total_norm, unscale_};
+pub(crate) use grads::{set_grad, total_norm, unscale_, vector_norm};
 pub(crate) use optim::{
     add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, FusedAdamArgs,
 };

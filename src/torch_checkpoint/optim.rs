@@ -365,7 +365,9 @@ pub(super) fn record_from_node(
         );
     }
     check_order(order, &sizes, optimizer, index)?;
-    let config = optimizer.config();
+    let config = optimizer.config().ok_or_else(|| E::Options {
+        message: "torch checkpoints hold torch.optim optimizers: this optimizer runs a user's UpdateRule".into(),
+    })?;
     let kind = config.name();
     let ours: BTreeMap<&str, f64> = config.hyper_parameters().into_iter().collect();
     let layout = optimizer.param_layout();
@@ -572,6 +574,7 @@ pub(super) fn record_from_node(
         hyper_parameters: ours.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         lr,
         group_lr,
+        groups: Vec::new(),
         steps,
         skipped: 0,
         params,
@@ -657,8 +660,11 @@ pub(super) fn record_to_value(
         other => other,
     })?;
     let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let buffer_order = optimizer.config().buffer_names();
-    let fused = optimizer.config().is_fused();
+    let config = optimizer.config().ok_or_else(|| E::Options {
+        message: "torch checkpoints hold torch.optim optimizers: this optimizer runs a user's UpdateRule".into(),
+    })?;
+    let buffer_order = config.buffer_names();
+    let fused = config.is_fused();
     let counts_steps = record.kind != "sgd";
     let mut state = Dict::new();
     let mut groups = Vec::with_capacity(order.len());

@@ -3,7 +3,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod apex_optimizers;
 mod bad_calls;
+mod bert_lamb;
 mod checkpointing;
 mod clip;
 mod crash;
@@ -12,10 +14,13 @@ mod fp16_utils;
 mod fuzz;
 mod initialize;
 mod memory;
+mod multi_input;
 mod multiple_models;
 mod opt_levels;
 mod optim;
 mod optim_bitwise;
+mod param_groups;
+mod partial_load;
 mod reliability;
 mod scaler;
 mod soak;
