@@ -214,9 +214,26 @@ pub(crate) fn batchnorm_modules<'a>(names: impl IntoIterator<Item = &'a str>) ->
         .collect()
 }
 
+/// What a cast of a VarStore does with the variables of affine batch norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BatchNormCast {
+    /// Cast like every other variable.
+    Cast,
+    /// Made fp32 (Apex's `keep_batchnorm_fp32`).
+    Fp32,
+    /// Left in whatever dtype they have (Apex's `convert_network`).
+    Keep,
+}
+
 /// Casts every floating variable of `vs` to `kind` in place, except affine batch-norm
 /// variables when `keep_batchnorm_fp32` (those are made fp32).
 pub(crate) fn cast_var_store(vs: &VarStore, kind: Kind, keep_batchnorm_fp32: bool) -> Result<CastReport> {
+    cast_var_store_as(vs, kind, if keep_batchnorm_fp32 { BatchNormCast::Fp32 } else { BatchNormCast::Cast })
+}
+
+/// Casts every floating variable of `vs` to `kind` in place, affine batch norms' as `batchnorm`
+/// says. Variables are visited in name order; the report lists what was cast and kept.
+pub(crate) fn cast_var_store_as(vs: &VarStore, kind: Kind, batchnorm: BatchNormCast) -> Result<CastReport> {
     let vars = vs.variables();
     let bn = batchnorm_modules(vars.keys().map(String::as_str));
     let mut names: Vec<&String> = vars.keys().collect();
@@ -229,12 +246,18 @@ pub(crate) fn cast_var_store(vs: &VarStore, kind: Kind, keep_batchnorm_fp32: boo
             report.non_floating.push(name.clone());
             continue;
         }
-        let keep = keep_batchnorm_fp32 && bn.contains(parent_path(name));
-        let target = if keep { Kind::Float } else { kind };
-        if var.kind() != target {
-            set_kind(var, target)?;
+        let in_bn = bn.contains(parent_path(name));
+        let target = match (in_bn, batchnorm) {
+            (true, BatchNormCast::Fp32) => Some(Kind::Float),
+            (true, BatchNormCast::Keep) => None,
+            _ => Some(kind),
+        };
+        if let Some(target) = target {
+            if var.kind() != target {
+                set_kind(var, target)?;
+            }
         }
-        if keep {
+        if in_bn && batchnorm != BatchNormCast::Cast {
             report.kept_batchnorm.push(name.clone());
         } else {
             report.cast.push(name.clone());

@@ -46,26 +46,7 @@ pub fn convert_network(vs: &VarStore, kind: Kind) -> Result<CastReport> {
             expected: "a floating dtype (Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double)",
         });
     }
-    let vars = vs.variables();
-    let bn = batchnorm_modules(vars.keys().map(String::as_str));
-    let mut names: Vec<&String> = vars.keys().collect();
-    names.sort();
-    let mut report = CastReport::default();
-    let _no_grad = tch::no_grad_guard();
-    for name in names {
-        let var = &vars[name];
-        if !crate::dtype::is_floating(var.kind()) {
-            report.non_floating.push(name.clone());
-        } else if bn.contains(parent_path(name)) {
-            report.kept_batchnorm.push(name.clone());
-        } else {
-            if var.kind() != kind {
-                set_kind(var, kind)?;
-            }
-            report.cast.push(name.clone());
-        }
-    }
-    Ok(report)
+    crate::model::cast_var_store_as(vs, kind, crate::model::BatchNormCast::Keep)
 }
 
 /// Apex's `BN_convert_float(module)`: the floating variables of every affine batch norm of

@@ -195,20 +195,7 @@ pub fn to_python_float(t: &Tensor) -> Result<f64> {
 /// [`AmpError::InvalidOption`] for a negative or non-finite `max_norm`, or a `norm_type` that
 /// is not positive; [`AmpError::Torch`] if an op fails.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
-    if !(max_norm.is_finite() && max_norm >= 0.0) {
-        return Err(AmpError::InvalidOption {
-            option: "max_norm",
-            value: max_norm.to_string(),
-            expected: "a finite number >= 0",
-        });
-    }
-    if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(AmpError::InvalidOption {
-            option: "norm_type",
-            value: norm_type.to_string(),
-            expected: "a positive number or f64::INFINITY",
-        });
-    }
+    crate::optim::check_clip_args(max_norm, norm_type)?;
     let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     if grads.is_empty() {
         return Ok(0.0);

@@ -569,20 +569,7 @@ impl AmpOptimizer {
     /// [`AmpError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that
     /// is not positive.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
-        if !(max_norm.is_finite() && max_norm >= 0.0) {
-            return Err(AmpError::InvalidOption {
-                option: "max_norm",
-                value: max_norm.to_string(),
-                expected: "a finite number >= 0",
-            });
-        }
-        if norm_type.is_nan() || norm_type <= 0.0 {
-            return Err(AmpError::InvalidOption {
-                option: "norm_type",
-                value: norm_type.to_string(),
-                expected: "a positive number or f64::INFINITY",
-            });
-        }
+        crate::optim::check_clip_args(max_norm, norm_type)?;
         self.make_master_grads()?;
         let grads: Vec<Tensor> =
             self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();

@@ -508,20 +508,7 @@ pub(crate) fn sgd_step(groups: &mut [GroupView<'_>], wd_after_momentum: bool) ->
                 grad = sys::add(&grad, p, c.weight_decay)?;
             }
             if c.momentum != 0.0 {
-                let buf = match st.buffer("momentum_buffer") {
-                    None => {
-                        let b = grad.f_detach_copy().ctx("SGD momentum buffer")?;
-                        st.set_buffer("momentum_buffer", b.shallow_clone());
-                        b
-                    }
-                    Some(b) => {
-                        let b = b.shallow_clone();
-                        sys::mul_float_(&b, c.momentum)?;
-                        sys::add_(&b, &grad, 1.0 - c.dampening)?;
-                        b
-                    }
-                };
-                grad = if c.nesterov { sys::add(&grad, &buf, c.momentum)? } else { buf };
+                grad = super::rules::sgd_momentum(&grad, st, c.momentum, c.dampening, c.nesterov)?;
             }
             if c.weight_decay != 0.0 && wd_after_momentum {
                 grad = sys::add(&grad, p, c.weight_decay)?;

@@ -2,7 +2,7 @@
 //! total norm (the shim calls are in `crate::sys`).
 use tch::Tensor;
 
-use crate::error::Result;
+use crate::error::{AmpError, Result};
 use crate::sys;
 
 /// Sets `t.grad` to `grad` (shares it, no copy).
@@ -41,4 +41,24 @@ pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Res
 /// computed in fp32.
 pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
     sys::total_norm(tensors, norm_type)
+}
+
+/// The arguments of a gradient clip, checked as torch's `clip_grad_norm_` would use them: a
+/// finite `max_norm >= 0` and a positive `norm_type` (`f64::INFINITY` for the max-norm).
+pub(crate) fn check_clip_args(max_norm: f64, norm_type: f64) -> Result<()> {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(AmpError::InvalidOption {
+            option: "max_norm",
+            value: max_norm.to_string(),
+            expected: "a finite number >= 0",
+        });
+    }
+    if norm_type.is_nan() || norm_type <= 0.0 {
+        return Err(AmpError::InvalidOption {
+            option: "norm_type",
+            value: norm_type.to_string(),
+            expected: "a positive number or f64::INFINITY",
+        });
+    }
+    Ok(())
 }
