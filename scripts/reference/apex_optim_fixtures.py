@@ -40,17 +40,15 @@ hyper-parameters.
 Every tensor is small (under 32768 elements), so the reductions (norms) run single-threaded and
 do not depend on the thread count.
 """
-import json
 import math
 import struct
-import sys
 
 import torch
-from safetensors.torch import save
+
+import optim_harness as harness
+from optim_harness import SCALE, SHAPES, flat
 
 STEPS = 12
-SCALE = 65536.0
-SHAPES = {"a": [3], "b": [2, 3], "c": [33]}
 GROUPS = {"a": 0, "b": 0, "c": 1}
 F32 = torch.float32
 
@@ -305,22 +303,11 @@ CASES = [
 ]
 
 
-def flat(ts):
-    return torch.cat([t.detach().reshape(-1) for t in ts])
-
-
 def run(case, variant, gen, out):
     name, kind, options, g0, g1, lr0, lr1 = case
     rule, defaults, wide = KINDS[kind]
     prefix = f"{name}/{variant}/"
-    p0 = {n: (torch.randn(s, generator=gen) * 0.5).half().float() for n, s in SHAPES.items()}
-    out[prefix + "p0"] = flat(p0.values())
-    if variant == "fp32":
-        params = {n: t.clone().requires_grad_(True) for n, t in p0.items()}
-        model = None
-    else:
-        model = {n: t.half().requires_grad_(True) for n, t in p0.items()}
-        params = {n: t.detach().float().requires_grad_(True) for n, t in model.items()}
+    params, model = harness.start(variant, gen, out, prefix)
     groups = []
     for gi, (over, lr) in enumerate(((g0, lr0), (g1, lr1))):
         group = dict(defaults, **over)
@@ -329,35 +316,12 @@ def run(case, variant, gen, out):
     opt = Reference(groups, rule, dict(wide, **options))
     ks_all, ps_all = [], []
     for _ in range(STEPS):
-        ks = {n: (torch.randn(s, generator=gen) * 0.1).clamp(-0.9, 0.9) for n, s in SHAPES.items()}
-        for p in params.values():
-            p.grad = None
-        if variant == "fp32":
-            loss = sum((params[n] * ks[n]).sum() for n in SHAPES)
-            loss.backward()
-        else:
-            ks = {n: k.half() for n, k in ks.items()}
-            for t in model.values():
-                t.grad = None
-            loss = sum((model[n].float() * ks[n].float()).sum() for n in SHAPES)
-            (loss.float() * SCALE).backward()
-            grads = [model[n].grad.float() for n in SHAPES]
-            found_inf = torch.zeros(1)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / SCALE))
-            assert found_inf.item() == 0.0
-            for n, g in zip(SHAPES, grads):
-                params[n].grad = g
+        ks = harness.gradients(params, model, gen)
         opt.step()
-        if model is not None:
-            with torch.no_grad():
-                for n in SHAPES:
-                    model[n].copy_(params[n])
+        harness.copy_back(params, model)
         ks_all.append(flat(ks.values()))
         ps_all.append(flat(params.values()))
-    out[prefix + "k"] = torch.stack(ks_all)
-    out[prefix + "p"] = torch.stack(ps_all)
-    for buf in opt.state.get(params["a"], {}):
-        out[prefix + f"state/{buf}"] = flat(opt.state[params[n]][buf] for n in SHAPES)
+    harness.finish(out, prefix, params, opt, ks_all, ps_all)
 
 
 def main():
@@ -379,10 +343,7 @@ def main():
             "options": listify(dict(wide, **options)),
             "param_groups": [dict(listify(dict(defaults, **g0)), lr=lr0), dict(listify(dict(defaults, **g1)), lr=lr1)],
         })
-    data = save(out, metadata={"cases": json.dumps(meta), "torch": torch.__version__, "scale": repr(SCALE)})
-    with open(sys.argv[1], "wb") as f:
-        f.write(data)
-    print(f"{len(CASES)} cases, {len(out)} tensors, {len(data)} bytes -> {sys.argv[1]}")
+    harness.write(out, meta, len(CASES))
 
 
 if __name__ == "__main__":

@@ -27,17 +27,15 @@ and groups.
 
 Only element-wise kernels are involved, so the values do not depend on the thread count.
 """
-import json
-import sys
 
 import torch
-from safetensors.torch import save
+
+import optim_harness as harness
+from optim_harness import SCALE, SHAPES, flat
 
 STEPS = 20
-SCALE = 65536.0
 # Three parameters: "a" and "b" in group 0, "c" in group 1. 33 elements exercise the
 # vectorized kernels (two AVX-512 vectors per iteration) and their scalar tail.
-SHAPES = {"a": [3], "b": [2, 3], "c": [33]}
 GROUPS = {"a": 0, "b": 0, "c": 1}
 
 SGD = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
@@ -90,54 +88,18 @@ def make_optimizer(kind, options, params, lr0, lr1):
     return getattr(torch.optim, kind)(groups, lr=lr0, **options)
 
 
-def flat(ts):
-    return torch.cat([t.detach().reshape(-1) for t in ts])
-
-
 def run(name, kind, options, lr0, lr1, variant, gen, out):
     prefix = f"{name}/{variant}/"
-    p0 = {n: (torch.randn(s, generator=gen) * 0.5).half().float() for n, s in SHAPES.items()}
-    out[prefix + "p0"] = flat(p0.values())
-    if variant == "fp32":
-        params = {n: t.clone().requires_grad_(True) for n, t in p0.items()}
-        model = None
-    else:
-        model = {n: t.half().requires_grad_(True) for n, t in p0.items()}
-        params = {n: t.detach().float().requires_grad_(True) for n, t in model.items()}
+    params, model = harness.start(variant, gen, out, prefix)
     opt = make_optimizer(kind, options, params, lr0, lr1)
     ks_all, ps_all = [], []
     for _ in range(STEPS):
-        ks = {n: (torch.randn(s, generator=gen) * 0.1).clamp(-0.9, 0.9) for n, s in SHAPES.items()}
-        opt.zero_grad()
-        if variant == "fp32":
-            loss = sum((params[n] * ks[n]).sum() for n in SHAPES)
-            loss.backward()
-        else:
-            ks = {n: k.half() for n, k in ks.items()}
-            for t in model.values():
-                t.grad = None
-            # fp32 loss (as a model's fp32 output gives): the scaled gradient reaches each fp16
-            # parameter as the fp32 product SCALE * k, rounded once to fp16 (exactly).
-            loss = sum((model[n].float() * ks[n].float()).sum() for n in SHAPES)
-            (loss.float() * SCALE).backward()
-            grads = [model[n].grad.float() for n in SHAPES]
-            found_inf = torch.zeros(1)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / SCALE))
-            assert found_inf.item() == 0.0
-            for n, g in zip(SHAPES, grads):
-                params[n].grad = g
+        ks = harness.gradients(params, model, gen)
         opt.step()
-        if model is not None:
-            with torch.no_grad():
-                for n in SHAPES:
-                    model[n].copy_(params[n])
+        harness.copy_back(params, model, opt)
         ks_all.append(flat(ks.values()))
         ps_all.append(flat(params.values()))
-    out[prefix + "k"] = torch.stack(ks_all)
-    out[prefix + "p"] = torch.stack(ps_all)
-    for buf in opt.state[params["a"]]:
-        if buf != "step":
-            out[prefix + f"state/{buf}"] = flat(opt.state[params[n]][buf] for n in SHAPES)
+    harness.finish(out, prefix, params, opt, ks_all, ps_all)
 
 
 def main():
@@ -153,10 +115,7 @@ def main():
                  "steps": STEPS}
         entry.update({k: list(v) if isinstance(v, tuple) else v for k, v in full.items()})
         meta.append(entry)
-    data = save(out, metadata={"cases": json.dumps(meta), "torch": torch.__version__, "scale": repr(SCALE)})
-    with open(sys.argv[1], "wb") as f:
-        f.write(data)
-    print(f"{len(CASES)} cases, {len(out)} tensors, {len(data)} bytes -> {sys.argv[1]}")
+    harness.write(out, meta, len(CASES))
 
 
 if __name__ == "__main__":

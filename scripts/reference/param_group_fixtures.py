@@ -16,15 +16,13 @@ fp32 masters of fp16 parameters ("o2", gradients through a loss scale of 65536);
 its initial value) and `state/<name>` after the last step. The metadata "cases" gives each
 group's settings and, for add_param_group, the step before which group 1 is added.
 """
-import json
-import sys
 
 import torch
-from safetensors.torch import save
+
+import optim_harness as harness
+from optim_harness import SCALE, SHAPES, flat
 
 STEPS = 12
-SCALE = 65536.0
-SHAPES = {"a": [3], "b": [2, 3], "c": [33]}
 
 
 class BertAdam(torch.optim.Optimizer):
@@ -72,9 +70,6 @@ CASES = [
 ]
 
 
-def flat(ts):
-    return torch.cat([t.detach().reshape(-1) for t in ts])
-
 
 def make(kind, groups, defaults, lr):
     cls = BertAdam if kind == "BertAdam" else getattr(torch.optim, kind)
@@ -86,14 +81,7 @@ def make(kind, groups, defaults, lr):
 def run(case, variant, gen, out):
     name, kind, defaults, lr, g0, g1, add_at = case
     prefix = f"{name}/{variant}/"
-    p0 = {n: (torch.randn(s, generator=gen) * 0.5).half().float() for n, s in SHAPES.items()}
-    out[prefix + "p0"] = flat(p0.values())
-    if variant == "fp32":
-        params = {n: t.clone().requires_grad_(True) for n, t in p0.items()}
-        model = None
-    else:
-        model = {n: t.half().requires_grad_(True) for n, t in p0.items()}
-        params = {n: t.detach().float().requires_grad_(True) for n, t in model.items()}
+    params, model = harness.start(variant, gen, out, prefix)
     first = [dict(g0, params=[params["a"], params["b"]])]
     second = dict(g1, params=[params["c"]])
     opt = make(kind, first + ([second] if add_at == 0 else []), defaults, lr)
@@ -104,38 +92,12 @@ def run(case, variant, gen, out):
                 with torch.no_grad():
                     params["c"].copy_(model["c"].float())
             opt.add_param_group(second)
-        ks = {n: (torch.randn(s, generator=gen) * 0.1).clamp(-0.9, 0.9) for n, s in SHAPES.items()}
-        for p in params.values():
-            p.grad = None
-        if variant == "fp32":
-            loss = sum((params[n] * ks[n]).sum() for n in SHAPES)
-            loss.backward()
-        else:
-            ks = {n: k.half() for n, k in ks.items()}
-            for t in model.values():
-                t.grad = None
-            loss = sum((model[n].float() * ks[n].float()).sum() for n in SHAPES)
-            (loss.float() * SCALE).backward()
-            grads = [model[n].grad.float() for n in SHAPES]
-            found_inf = torch.zeros(1)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / SCALE))
-            assert found_inf.item() == 0.0
-            for n, g in zip(SHAPES, grads):
-                params[n].grad = g
+        ks = harness.gradients(params, model, gen)
         opt.step()
-        if model is not None:
-            with torch.no_grad():
-                for g in opt.param_groups:
-                    for p in g["params"]:
-                        n = next(k for k, v in params.items() if v is p)
-                        model[n].copy_(p)
+        harness.copy_back(params, model, opt)
         ks_all.append(flat(ks.values()))
         ps_all.append(flat(params.values()))
-    out[prefix + "k"] = torch.stack(ks_all)
-    out[prefix + "p"] = torch.stack(ps_all)
-    for buf in opt.state[params["a"]]:
-        if buf != "step":
-            out[prefix + f"state/{buf}"] = flat(opt.state[params[n]][buf] for n in SHAPES)
+    harness.finish(out, prefix, params, opt, ks_all, ps_all)
 
 
 def main():
@@ -153,10 +115,7 @@ def main():
 
         meta.append({"name": name, "optimizer": kind, "steps": STEPS, "shapes": SHAPES, "lr": lr,
                      "defaults": listify(defaults), "group0": listify(g0), "group1": listify(g1), "add_at": add_at})
-    data = save(out, metadata={"cases": json.dumps(meta), "torch": torch.__version__, "scale": repr(SCALE)})
-    with open(sys.argv[1], "wb") as f:
-        f.write(data)
-    print(f"{len(CASES)} cases, {len(out)} tensors, {len(data)} bytes -> {sys.argv[1]}")
+    harness.write(out, meta, len(CASES))
 
 
 if __name__ == "__main__":
