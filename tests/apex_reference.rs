@@ -39,12 +39,7 @@ use tch_amp::{Amp, AmpConfig, OptLevel, OptimizerConfig};
 
 const H: i64 = 2; // attention heads
 
-fn python() -> String {
-    std::env::var("TCH_AMP_PYTHON")
-        .ok()
-        .or_else(|| option_env!("TCH_AMP_PYTHON").map(str::to_string))
-        .expect("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)")
-}
+use common::python::python;
 
 /// The reference's output (safetensors bytes), computed once per test binary.
 fn reference() -> &'static [u8] {

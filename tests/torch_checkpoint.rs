@@ -16,9 +16,8 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use common::reference::{bits_equal, describe_diff, Fixture};
 use tch::nn::{self, ModuleT, VarStore};
@@ -33,38 +32,9 @@ use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, Optimi
 // ---------------------------------------------------------------------------------------------
 // The Python side
 
-fn python() -> String {
-    std::env::var("TCH_AMP_PYTHON").expect(
-        "TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml) or point it at a python with \
-         torch==2.13.0",
-    )
-}
-
 /// Runs the fixture script with a time limit; panics with its stderr on failure.
 fn run_script(args: &[&str]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/torch_checkpoint_fixtures.py");
-    let mut child = Command::new(python())
-        .arg(script)
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the venv's python");
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().expect("waiting for python") {
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).ok();
-            assert!(status.success(), "torch_checkpoint_fixtures.py {args:?} failed: {err}");
-            return;
-        }
-        if start.elapsed() > Duration::from_secs(300) {
-            child.kill().ok();
-            child.wait().ok();
-            panic!("torch_checkpoint_fixtures.py {args:?} ran past 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::python::run_reference_script("torch_checkpoint_fixtures.py", args, Duration::from_secs(300));
 }
 
 /// The checkpoints and continuations, in a temporary folder.

@@ -8,10 +8,12 @@
 //! IEEE bits, tensors as dtype/shape/stride/offset/bytes plus a storage id numbered in first-use
 //! order); `manifest` below describes a Rust tree the same way, so comparisons are exact,
 //! storage sharing included.
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 use std::io::{Cursor, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
@@ -21,41 +23,9 @@ use tch_amp::torch_io::{self, BigInt, Dict, Format, Key, LoadOptions, TorchIoErr
 // ---------------------------------------------------------------------------------------------
 // helpers
 
-fn python() -> String {
-    std::env::var("TCH_AMP_PYTHON").expect(
-        "TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml) or point it at a \
-         python with torch==2.13.0",
-    )
-}
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/torch_io_fixtures.py")
-}
-
 /// Runs the fixture script with a time limit; panics with its stderr on failure.
 fn run_script(args: &[&str]) {
-    let mut child = Command::new(python())
-        .arg(script())
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the venv's python");
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().expect("waiting for python") {
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).ok();
-            assert!(status.success(), "torch_io_fixtures.py {args:?} failed: {err}");
-            return;
-        }
-        if start.elapsed() > Duration::from_secs(300) {
-            child.kill().ok();
-            child.wait().ok();
-            panic!("torch_io_fixtures.py {args:?} ran past 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::python::run_reference_script("torch_io_fixtures.py", args, Duration::from_secs(300));
 }
 
 fn fixtures(groups: &str) -> tempfile::TempDir {

@@ -1,5 +1,6 @@
 //! Shared helpers of the integration test binaries (tests/amp, tests/o1, tests/cuda).
 #![allow(dead_code)]
+pub mod python;
 pub mod reference;
 
 use tch::nn::{self, Module, ModuleT};
