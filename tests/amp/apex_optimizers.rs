@@ -18,7 +18,9 @@
 //! `$TCH_AMP_PYTHON scripts/reference/apex_optim_fixtures.py tests/fixtures/apex_optimizers.safetensors`.
 use std::path::Path;
 
-use crate::common::reference::{bits_equal, describe_diff, Fixture};
+use crate::common::reference::{
+    bits_equal, case_shapes as shapes, describe_diff, split_flat as split, torch_hyper, Fixture,
+};
 use serde_json::Value;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -36,22 +38,9 @@ fn fixture() -> Fixture {
     Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
 }
 
-/// A group's (or the optimizer-wide options') values under tch-amp's names: `betas` is
-/// `beta1` and `beta2`, flags 0/1; `lr` left out.
+/// A group's (or the optimizer-wide options') values under tch-amp's names, `lr` left out.
 fn hyper(map: &Value) -> Vec<(String, f64)> {
-    let mut out = Vec::new();
-    for (k, v) in map.as_object().unwrap() {
-        match (k.as_str(), v) {
-            ("lr", _) => {}
-            ("betas", Value::Array(b)) => {
-                out.push(("beta1".to_string(), b[0].as_f64().unwrap()));
-                out.push(("beta2".to_string(), b[1].as_f64().unwrap()));
-            }
-            (_, Value::Bool(on)) => out.push((k.clone(), if *on { 1.0 } else { 0.0 })),
-            (_, v) => out.push((k.clone(), v.as_f64().unwrap_or_else(|| panic!("{k}: {v}")))),
-        }
-    }
-    out
+    torch_hyper(map).into_iter().filter(|(k, _)| k != "lr").collect()
 }
 
 fn get(h: &[(String, f64)], key: &str) -> f64 {
@@ -133,31 +122,6 @@ fn groups(case: &Value) -> Vec<ParamGroup> {
         }
     }
     vec![ParamGroup::names(&["a", "b"]), second]
-}
-
-/// The parameters' names (sorted: group-major here too) and shapes.
-fn shapes(case: &Value) -> Vec<(String, Vec<i64>)> {
-    let mut v: Vec<(String, Vec<i64>)> = case["shapes"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(n, s)| (n.clone(), s.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect()))
-        .collect();
-    v.sort();
-    v
-}
-
-fn split(flat: &Tensor, shapes: &[(String, Vec<i64>)]) -> Vec<Tensor> {
-    let mut at = 0;
-    shapes
-        .iter()
-        .map(|(_, s)| {
-            let n: i64 = s.iter().product();
-            let t = flat.narrow(0, at, n).reshape(s.as_slice());
-            at += n;
-            t
-        })
-        .collect()
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]

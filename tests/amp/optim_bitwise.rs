@@ -12,7 +12,7 @@
 //! `$TCH_AMP_PYTHON scripts/reference/optim_fixtures.py tests/fixtures/optim_bitwise.safetensors`.
 use std::path::Path;
 
-use crate::common::reference::{bits_equal, describe_diff, Fixture};
+use crate::common::reference::{bits_equal, case_shapes as shapes, describe_diff, split_flat as split, Fixture};
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -64,32 +64,6 @@ fn config(case: &Value) -> OptimizerConfig {
         other => panic!("unknown optimizer {other}"),
     };
     cfg.maximize(b(case, "maximize"))
-}
-
-/// The parameters' names (sorted: tch-amp's optimizer order) and shapes.
-fn shapes(case: &Value) -> Vec<(String, Vec<i64>)> {
-    let mut v: Vec<(String, Vec<i64>)> = case["shapes"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(n, s)| (n.clone(), s.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect()))
-        .collect();
-    v.sort();
-    v
-}
-
-/// Splits a flat [N] tensor (or row of [steps, N]) into the parameters' shapes.
-fn split(flat: &Tensor, shapes: &[(String, Vec<i64>)]) -> Vec<Tensor> {
-    let mut at = 0;
-    shapes
-        .iter()
-        .map(|(_, s)| {
-            let n: i64 = s.iter().product();
-            let t = flat.narrow(0, at, n).reshape(s.as_slice());
-            at += n;
-            t
-        })
-        .collect()
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]

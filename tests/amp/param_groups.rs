@@ -14,7 +14,7 @@
 //! `$TCH_AMP_PYTHON scripts/reference/param_group_fixtures.py tests/fixtures/param_groups.safetensors`.
 use std::path::Path;
 
-use crate::common::reference::{bits_equal, describe_diff, Fixture};
+use crate::common::reference::{bits_equal, describe_diff, split_flat, torch_hyper, Fixture};
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -88,28 +88,12 @@ fn fixture() -> Fixture {
     Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
 }
 
-/// torch's option names and values as tch-amp's (`betas` is `beta1`/`beta2`, flags 0/1).
-fn hyper(map: &Value) -> Vec<(String, f64)> {
-    let mut out = Vec::new();
-    for (k, v) in map.as_object().unwrap() {
-        match (k.as_str(), v) {
-            ("betas", Value::Array(b)) => {
-                out.push(("beta1".to_string(), b[0].as_f64().unwrap()));
-                out.push(("beta2".to_string(), b[1].as_f64().unwrap()));
-            }
-            (_, Value::Bool(on)) => out.push((k.clone(), if *on { 1.0 } else { 0.0 })),
-            (_, v) => out.push((k.clone(), v.as_f64().unwrap())),
-        }
-    }
-    out
-}
-
 fn get(h: &[(String, f64)], key: &str, default: f64) -> f64 {
     h.iter().find(|(k, _)| k == key).map_or(default, |(_, v)| *v)
 }
 
 fn group(names: &[&str], over: &Value) -> ParamGroup {
-    hyper(over).into_iter().fold(ParamGroup::names(names), |g, (k, v)| g.set(&k, v))
+    torch_hyper(over).into_iter().fold(ParamGroup::names(names), |g, (k, v)| g.set(&k, v))
 }
 
 struct Setup {
@@ -122,16 +106,8 @@ const NAMES: [&str; 3] = ["a", "b", "c"];
 const SHAPES: [&[i64]; 3] = [&[3], &[2, 3], &[33]];
 
 fn split(flat: &Tensor) -> Vec<Tensor> {
-    let mut at = 0;
-    SHAPES
-        .iter()
-        .map(|s| {
-            let n: i64 = s.iter().product();
-            let t = flat.narrow(0, at, n).reshape(*s);
-            at += n;
-            t
-        })
-        .collect()
+    let shapes: Vec<(String, Vec<i64>)> = NAMES.iter().zip(SHAPES).map(|(n, s)| (n.to_string(), s.to_vec())).collect();
+    split_flat(flat, &shapes)
 }
 
 /// The model at `p0` and the optimizer over group 0 (and group 1 unless it is added later,
@@ -143,7 +119,7 @@ fn setup(fx: &Fixture, case: &Value, prefix: &str, o2: bool, with_late_group: bo
     }
     let amp = Amp::new(&AmpConfig::new(if o2 { OptLevel::O2 } else { OptLevel::O0 }).verbosity(0)).unwrap();
     let _model = amp.cast_model(&vs, ()).unwrap();
-    let d = hyper(&case["defaults"]);
+    let d = torch_hyper(&case["defaults"]);
     let lr = case["lr"].as_f64().unwrap();
     let late = case["add_at"].as_i64().unwrap() > 0;
     let mut groups = vec![group(&["a", "b"], &case["group0"])];

@@ -1,5 +1,6 @@
-//! Shared by the bit-for-bit reference tests (optim_bitwise.rs, apex_reference.rs): reading
-//! the safetensors files the reference scripts write, and exact tensor comparison.
+//! Shared by the bit-for-bit reference tests (optim_bitwise.rs, apex_optimizers.rs,
+//! param_groups.rs, apex_reference.rs): reading the safetensors files the reference scripts
+//! write, the optimizer fixtures' case layout, and exact tensor comparison.
 use std::collections::HashMap;
 
 use safetensors::{Dtype, SafeTensors};
@@ -81,4 +82,48 @@ pub fn describe_diff(got: &Tensor, want: &Tensor) -> String {
     let max = f64::try_from((&g - &w).abs().nan_to_num(0.0, None, None).max()).unwrap();
     let rel = f64::try_from(((&g - &w).abs() / w.abs().clamp_min(1e-30)).nan_to_num(0.0, None, None).max()).unwrap();
     format!("{differ}/{} elements differ, max |diff| {max:e}, max rel {rel:e}", got.numel())
+}
+
+/// A fixture case's parameter names (sorted: tch-amp's optimizer order) and shapes, from its
+/// `"shapes"` entry.
+pub fn case_shapes(case: &serde_json::Value) -> Vec<(String, Vec<i64>)> {
+    let mut v: Vec<(String, Vec<i64>)> = case["shapes"]
+        .as_object()
+        .expect("a case with shapes")
+        .iter()
+        .map(|(n, s)| (n.clone(), s.as_array().unwrap().iter().map(|d| d.as_i64().unwrap()).collect()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Splits a flat [N] tensor (or one row of [steps, N]) into `shapes`, in order.
+pub fn split_flat(flat: &Tensor, shapes: &[(String, Vec<i64>)]) -> Vec<Tensor> {
+    let mut at = 0;
+    shapes
+        .iter()
+        .map(|(_, s)| {
+            let n: i64 = s.iter().product();
+            let t = flat.narrow(0, at, n).reshape(s.as_slice());
+            at += n;
+            t
+        })
+        .collect()
+}
+
+/// torch.optim option names and values as tch-amp's hyper-parameters: `betas` becomes
+/// `beta1` and `beta2`, booleans 0/1; `lr` kept.
+pub fn torch_hyper(map: &serde_json::Value) -> Vec<(String, f64)> {
+    let mut out = Vec::new();
+    for (k, v) in map.as_object().expect("an options dict") {
+        match (k.as_str(), v) {
+            ("betas", serde_json::Value::Array(b)) => {
+                out.push(("beta1".to_string(), b[0].as_f64().unwrap()));
+                out.push(("beta2".to_string(), b[1].as_f64().unwrap()));
+            }
+            (_, serde_json::Value::Bool(on)) => out.push((k.clone(), if *on { 1.0 } else { 0.0 })),
+            (_, v) => out.push((k.clone(), v.as_f64().unwrap_or_else(|| panic!("{k}: {v}")))),
+        }
+    }
+    out
 }
