@@ -748,20 +748,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
 // ---------------------------------------------------------------------------------------------
 // Fuzz
 
-/// A small seeded generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use common::SeededRng as Rng;
 
 fn count_nodes(v: &Value) -> usize {
     1 + match v {
@@ -846,7 +833,7 @@ fn mutate(rng: &mut Rng, v: &Value, target: usize, at: &mut usize) -> Value {
 #[test]
 fn fuzz_checkpoint_loader_never_panics_and_refusals_change_nothing() {
     let f = Fixtures::write();
-    let mut rng = Rng(0x51f1_0c4e_2b7a_9d33);
+    let mut rng = Rng::new(0x51f1_0c4e_2b7a_9d33);
     let (mut accepted, mut refused) = (0, 0);
     for scenario in ["sgd_o2", "adam_o2"] {
         let seed = torch_io::load(f.path(&format!("{scenario}.zip.pt"))).unwrap();

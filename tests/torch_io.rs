@@ -805,19 +805,7 @@ fn save_is_atomic_and_refuses_what_it_cannot_write() {
 // ---------------------------------------------------------------------------------------------
 // Fuzz
 
-/// xorshift64*: small, seeded, reproducible.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use common::SeededRng as Rng;
 
 /// 1 to 4 mutations: bit flips, interesting bytes, truncation, splices from `donor`, deletion,
 /// duplication.
@@ -906,7 +894,7 @@ fn fuzz_reader_never_panics() {
     let recs = records(&zip_seed);
     let pkl = recs.iter().find(|(n, _)| n.ends_with("/data.pkl")).unwrap().1.clone();
     let opts = LoadOptions::new();
-    let mut rng = Rng(0x7c3a_91e2_5d4b_f018);
+    let mut rng = Rng::new(0x7c3a_91e2_5d4b_f018);
     let mut counts: HashMap<String, usize> = HashMap::new();
     let mut tensors_touched = 0;
     let start = Instant::now();

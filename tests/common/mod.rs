@@ -145,3 +145,25 @@ pub fn isolated(name: &str, limit_s: u64, body: impl FnOnce()) {
     let ran = String::from_utf8_lossy(&out.stdout).contains("1 passed");
     assert!(ran, "{name}: the child ran no test");
 }
+
+/// A seeded, reproducible random source for the fuzz tests (proptest's ChaCha generator).
+pub struct SeededRng(proptest::test_runner::TestRng);
+
+impl SeededRng {
+    /// The generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
+        Self(proptest::test_runner::TestRng::from_seed(proptest::test_runner::RngAlgorithm::ChaCha, &bytes))
+    }
+
+    /// 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        proptest::prelude::Rng::next_u64(&mut self.0)
+    }
+
+    /// Uniform-ish in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
