@@ -605,21 +605,9 @@ impl Fp16Optimizer {
         if !self.fresh {
             return Err(AmpError::NoGradients);
         }
-        // The fp16 gradients were already unscaled into the masters: set them aside while the
-        // wrapped optimizer (which expects to make master gradients itself) steps, then put
-        // them back, as Apex leaves them.
-        let mut aside = Vec::new();
-        for s in self.slots.iter().filter(|s| s.master.is_some()) {
-            let g = s.model.grad();
-            if g.defined() {
-                crate::sys::set_grad(&s.model, None)?;
-                aside.push((s.model.shallow_clone(), g));
-            }
-        }
-        let result = self.opt.step();
-        for (model, g) in aside {
-            crate::sys::set_grad(&model, Some(&g))?;
-        }
+        // The fp16 gradients were already unscaled into the masters; they stay in place, as
+        // Apex leaves them.
+        let result = self.opt.step_keeping_model_grads();
         match result? {
             StepOutcome::Stepped => {
                 self.fresh = false;

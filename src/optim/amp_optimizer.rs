@@ -506,6 +506,19 @@ impl AmpOptimizer {
     ///   step or `zero_grad`, e.g. a second `step()` after a skipped one); nothing changes;
     /// - [`AmpError::Torch`] if an update fails.
     pub fn step(&mut self) -> Result<StepOutcome> {
+        self.step_checked(false)
+    }
+
+    /// [`Self::step`] for a caller that made the fp32 master gradients itself and keeps the fp16
+    /// model's gradients in place (the legacy FP16_Optimizer: Apex leaves them there), so they
+    /// are not taken for a backward outside `scale_loss`.
+    pub(crate) fn step_keeping_model_grads(&mut self) -> Result<StepOutcome> {
+        self.step_checked(true)
+    }
+
+    /// `model_grads_expected`: fp16 model gradients beside their masters are the caller's, not
+    /// a stray backward.
+    fn step_checked(&mut self, model_grads_expected: bool) -> Result<StepOutcome> {
         if let Some(skip) = self.skip_next.take() {
             // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex clears
             // only the masters of fp16 variables, so an fp32 variable's inf survives into the
@@ -526,7 +539,7 @@ impl AmpOptimizer {
             return Err(AmpError::GradientsStillScaled);
         }
         let pending = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.is_some();
-        self.check_gradients(pending)?;
+        self.check_gradients(pending || model_grads_expected)?;
         let half = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take();
         let update = |this: &mut Self| -> Result<()> {
             // Parameters holding their gradient (fp32 variables, masters whose gradient was
@@ -597,13 +610,13 @@ impl AmpOptimizer {
 
     /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
     /// gradient.
-    /// `half_pending`: O2's fp16 gradients are waiting for the slice-wise step (see
-    /// [`HalfGrads`]), so fp16 model gradients are expected.
-    fn check_gradients(&self, half_pending: bool) -> Result<()> {
+    /// `model_grads_expected`: fp16 model gradients beside their masters are legitimate (O2's
+    /// waiting for the slice-wise step, see [`HalfGrads`], or a caller's own).
+    fn check_gradients(&self, model_grads_expected: bool) -> Result<()> {
         let stray: Vec<String> = self
             .entries
             .iter()
-            .filter(|e| !half_pending && e.master().is_some() && e.model().grad().defined())
+            .filter(|e| !model_grads_expected && e.master().is_some() && e.model().grad().defined())
             .take(5)
             .map(|e| e.name().to_string())
             .collect();
@@ -611,7 +624,8 @@ impl AmpOptimizer {
             return Err(AmpError::GradientsNotUnscaled { params: stray });
         }
         let has_grad = |e: &ParamEntry| {
-            e.update_target().grad().defined() || (half_pending && e.master().is_some() && e.model().grad().defined())
+            e.update_target().grad().defined()
+                || (model_grads_expected && e.master().is_some() && e.model().grad().defined())
         };
         if !self.entries.iter().any(has_grad) {
             return Err(AmpError::NoGradients);
