@@ -69,6 +69,17 @@ impl MemoryReport {
     }
 }
 
+/// A parameter's gradient as it stands: its master's, or the model's fp16 one while O2's
+/// slice-wise step has not made the master's yet (see [`HalfGrads`]).
+fn latest_grad(e: &ParamEntry) -> Tensor {
+    let g = e.update_target().grad();
+    if !g.defined() && e.master().is_some() {
+        e.model().grad()
+    } else {
+        g
+    }
+}
+
 fn bytes(t: &Tensor) -> usize {
     if t.defined() {
         t.numel() * t.kind().elt_size_in_bytes()
@@ -538,9 +549,11 @@ impl AmpOptimizer {
         if self.scaled_pending {
             return Err(AmpError::GradientsStillScaled);
         }
-        let pending = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.is_some();
-        self.check_gradients(pending || model_grads_expected)?;
-        let half = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?.take();
+        let half = {
+            let mut slot = self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })?;
+            self.check_gradients(slot.is_some() || model_grads_expected)?;
+            slot.take()
+        };
         let update = |this: &mut Self| -> Result<()> {
             // Parameters holding their gradient (fp32 variables, masters whose gradient was
             // made at once); then the masters whose gradient is still the model's fp16 one.
@@ -643,12 +656,8 @@ impl AmpOptimizer {
         let mut names = Vec::new();
         let mut counts = Vec::new();
         for e in order {
-            // Under O2's slice-wise step the gradient is still the model's fp16 one (scaled:
-            // the counts of inf and NaN are the same).
-            let mut g = e.update_target().grad();
-            if !g.defined() && e.master().is_some() {
-                g = e.model().grad();
-            }
+            // Scaled while still the model's fp16 one: the counts of inf and NaN are the same.
+            let g = latest_grad(e);
             if !g.defined() {
                 continue;
             }
@@ -676,11 +685,7 @@ impl AmpOptimizer {
         let _no_grad = tch::no_grad_guard();
         let mut nonzero = Vec::new();
         for e in &self.entries {
-            // The model's fp16 gradient while O2's slice-wise step has not made the master's.
-            let mut g = e.update_target().grad();
-            if !g.defined() && e.master().is_some() {
-                g = e.model().grad();
-            }
+            let g = latest_grad(e);
             if g.defined() {
                 nonzero.push(g.f_ne(0.0).and_then(|t| t.f_any()).ctx("checking for zero gradients")?);
             }
