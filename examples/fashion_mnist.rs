@@ -168,14 +168,7 @@ fn train_level(
 ) -> Result<LevelResult> {
     tch::manual_seed(args.seed as i64);
     let vs = nn::VarStore::new(device);
-    let cfg = ResNetConfig {
-        in_channels: 1,
-        num_classes: data.num_classes,
-        width: args.width,
-        stages: args.stages,
-        pool: args.pool,
-    };
-    let net = SmallResNet::new(&vs.root(), cfg);
+    let net = SmallResNet::new(&vs.root(), resnet_config(args, data));
     let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: args.weight_decay, nesterov: true };
     // verbosity 0: overflows are reported above the progress bar instead of by tch-amp.
     let amp_cfg = AmpConfig::new(level).verbosity(0);
@@ -257,19 +250,23 @@ fn train_level(
     })
 }
 
-/// One untimed forward and backward pass of a throwaway model, so that libtorch's one-time
-/// setup (kernel selection, allocator growth) is not billed to the first level timed.
-fn warm_up(args: &Args, data: &Dataset, device: Device) {
-    tch::manual_seed(args.seed as i64);
-    let vs = nn::VarStore::new(device);
-    let cfg = ResNetConfig {
+/// The main job's network for `data` with the command line's width, stages and pooling.
+fn resnet_config(args: &Args, data: &Dataset) -> ResNetConfig {
+    ResNetConfig {
         in_channels: 1,
         num_classes: data.num_classes,
         width: args.width,
         stages: args.stages,
         pool: args.pool,
-    };
-    let net = SmallResNet::new(&vs.root(), cfg);
+    }
+}
+
+/// One untimed forward and backward pass of a throwaway model, so that libtorch's one-time
+/// setup (kernel selection, allocator growth) is not billed to the first level timed.
+fn warm_up(args: &Args, data: &Dataset, device: Device) {
+    tch::manual_seed(args.seed as i64);
+    let vs = nn::VarStore::new(device);
+    let net = SmallResNet::new(&vs.root(), resnet_config(args, data));
     let idx: Vec<i64> = (0..args.batch_size.min(data.train.len()) as i64).collect();
     let (x, y) = data.train.batch(&idx);
     net.forward_t(&x, true).cross_entropy_for_logits(&y).backward();

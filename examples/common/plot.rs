@@ -67,6 +67,35 @@ where
     Ok(())
 }
 
+/// The axes of a per-level panel: the level names under their slots and a light mesh, or the
+/// text-free frame.
+fn level_axes<DB: DrawingBackend>(
+    chart: &mut ChartContext<
+        '_,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    text: bool,
+    n: usize,
+    name_of: &dyn Fn(&f64) -> String,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    if text {
+        chart
+            .configure_mesh()
+            .light_line_style(WHITE)
+            .x_labels(n + 1)
+            .x_label_formatter(name_of)
+            .disable_x_mesh()
+            .draw()?;
+    } else {
+        frame(chart.plotting_area())?;
+    }
+    Ok(())
+}
+
 /// Writes `images` (`[N, 1, H, W]`, values in [0, 1]) as a grey PNG grid of `cols` columns
 /// with a 2-pixel border (the role of torchvision's `save_image` in Apex's DCGAN example).
 ///
@@ -358,17 +387,7 @@ fn draw_levels(
     b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 10);
     caption(&mut b, "test accuracy (%), axis zoomed to the spread");
     let mut chart = b.build_cartesian_2d(x_range.clone(), (amin - pad)..(amax + pad))?;
-    if text {
-        chart
-            .configure_mesh()
-            .light_line_style(WHITE)
-            .x_labels(n + 1)
-            .x_label_formatter(&name_of)
-            .disable_x_mesh()
-            .draw()?;
-    } else {
-        frame(chart.plotting_area())?;
-    }
+    level_axes(&mut chart, text, n, &name_of)?;
     for (i, l) in levels.iter().enumerate() {
         let c = color(l);
         chart.draw_series(std::iter::once(Circle::new((i as f64, l.test_accuracy), 7, c.filled())))?;
@@ -384,17 +403,7 @@ fn draw_levels(
     b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 10);
     caption(&mut b, "seconds per epoch (time vs O0: below 1 is faster)");
     let mut chart = b.build_cartesian_2d(x_range.clone(), 0f64..tmax)?;
-    if text {
-        chart
-            .configure_mesh()
-            .light_line_style(WHITE)
-            .x_labels(n + 1)
-            .x_label_formatter(&name_of)
-            .disable_x_mesh()
-            .draw()?;
-    } else {
-        frame(chart.plotting_area())?;
-    }
+    level_axes(&mut chart, text, n, &name_of)?;
     for (i, l) in levels.iter().enumerate() {
         let x = i as f64;
         chart.draw_series(std::iter::once(Rectangle::new(
@@ -423,17 +432,7 @@ fn draw_levels(
     b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 15);
     caption(&mut b, "training state (KiB), activations excluded");
     let mut chart = b.build_cartesian_2d(x_range, 0f64..bmax)?;
-    if text {
-        chart
-            .configure_mesh()
-            .light_line_style(WHITE)
-            .x_labels(n + 1)
-            .x_label_formatter(&name_of)
-            .disable_x_mesh()
-            .draw()?;
-    } else {
-        frame(chart.plotting_area())?;
-    }
+    level_axes(&mut chart, text, n, &name_of)?;
     for (p, (part, shade)) in parts.iter().zip(shades).enumerate() {
         let drawn = chart.draw_series(levels.iter().enumerate().map(|(i, l)| {
             let below: f64 = l.state_bytes[..p].iter().map(|&b| kib(b)).sum();
