@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use tch_amp::distributed::{DdpOptions, DistributedDataParallel, InitOptions, ProcessGroup};
 use tch_amp::{initialize, AmpConfig, OptLevel};
 
-use crate::support::{free_port, Peer, PEER_DEADLINE, TIMEOUT};
+use crate::support::{free_port, global_rng_lock, Peer, PEER_DEADLINE, TIMEOUT};
 
 const B: i64 = 8;
 const STEPS: usize = 5;
@@ -38,6 +38,7 @@ fn rust_rank_and_python_rank_train_together() {
     let Some(python) = python() else {
         panic!("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)");
     };
+    let _rng = global_rng_lock();
     tch::set_num_threads(1);
     let port = free_port();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dist_python_rank.py");

@@ -20,6 +20,15 @@ pub const TIMEOUT: Duration = Duration::from_secs(20);
 /// Bound on the peer process's whole run.
 pub const PEER_DEADLINE: Duration = Duration::from_secs(90);
 
+/// Serializes the tests of this binary that seed and draw from libtorch's global generator
+/// (`manual_seed` then `randn`): the test harness runs tests on several threads of one
+/// process, and a seed set on one thread would otherwise be consumed by another's draws (the
+/// two ranks then still agree with each other, but not with the one-process reference).
+pub fn global_rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
@@ -99,6 +108,7 @@ impl Side {
 /// name in front is dropped to get the name libtest filters on.
 pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
     let name = name.split_once("::").map_or(name, |(_, rest)| rest);
+    let _rng = global_rng_lock();
     tch::set_num_threads(1);
     if let Ok(r) = std::env::var(RANK_ENV) {
         let port = std::env::var(PORT_ENV).expect("port").parse().expect("port number");
