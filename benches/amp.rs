@@ -170,6 +170,11 @@ struct Args {
     /// 0 skips it).
     #[arg(long, default_value_t = 5)]
     overflow_rounds: usize,
+    /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
+    /// come back as fresh pages) instead of `tch_amp::cast::keep_freed_cpu_memory`, which
+    /// `initialize` applies by default; set for every row, the fp32 loop's included.
+    #[arg(long)]
+    system_malloc: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -387,7 +392,10 @@ impl Config {
 
     fn amp_config(&self) -> Option<AmpConfig> {
         let Config::Amp { level, dtype, kernels, .. } = *self else { return None };
-        let mut c = AmpConfig::new(level).verbosity(0).cpu_kernels(kernels);
+        let mut c = AmpConfig::new(level)
+            .verbosity(0)
+            .cpu_kernels(kernels)
+            .keep_freed_cpu_memory(!SYSTEM_MALLOC.load(std::sync::atomic::Ordering::Relaxed));
         if let Some(k) = dtype {
             c = match level {
                 OptLevel::O1 => c.low_precision_dtype(k),
@@ -1046,6 +1054,9 @@ fn libtorch_version() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
+/// `--system-malloc`: rows built with `keep_freed_cpu_memory(false)`.
+static SYSTEM_MALLOC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = parse_device(&args.device)?;
@@ -1069,6 +1080,9 @@ fn main() -> Result<()> {
         }
         CPU_CLOCK.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+    // Every row in the same allocator setting: the fp32 loop runs before any `initialize`.
+    SYSTEM_MALLOC.store(args.system_malloc, std::sync::atomic::Ordering::Relaxed);
+    let kept = !args.system_malloc && tch_amp::cast::keep_freed_cpu_memory()?;
     let python = if args.no_python { None } else { Python::start(&args)? };
     let cpu = CpuFeatures::detect();
     println!("# tch-amp training-step benchmark");
@@ -1081,6 +1095,10 @@ fn main() -> Result<()> {
         cpu.auto_choice(Kind::BFloat16)
     );
     println!("- threads: {} (libtorch intra-op, both in tch and PyTorch)", tch::get_num_threads());
+    println!(
+        "- C allocator: {} (PyTorch rows: the Python process's own)",
+        if kept { "freed memory kept for reuse (tch_amp::cast::keep_freed_cpu_memory)" } else { "glibc defaults" }
+    );
     println!(
         "- versions: tch-amp {}, tch 0.26.0, libtorch {}, PyTorch {}",
         env!("CARGO_PKG_VERSION"),

@@ -160,6 +160,15 @@ impl Amp {
                 CpuFeatures::detect().summary()
             );
         }
+        if props.keep_freed_cpu_memory() {
+            let kept = crate::cast::keep_freed_cpu_memory()?;
+            if props.verbosity() >= 2 {
+                println!(
+                    "tch-amp: freed CPU memory kept for reuse by the C allocator: {}",
+                    if kept { "yes (glibc mallopt)" } else { "no (not glibc)" }
+                );
+            }
+        }
         let casts = CastRuntime::for_properties(&props, plan)?;
         Ok(Self {
             id: NEXT_AMP_ID.fetch_add(1, Ordering::Relaxed),

@@ -181,6 +181,43 @@ pub fn set_master_grad_slice(elements: i64) -> i64 {
     crate::optim::set_master_grad_slice(elements)
 }
 
+/// Turns O2's single-pass Adam/AdamW update on or off (default on; process-wide) and returns
+/// the previous setting. The single pass (libtorch's fused Adam/AdamW with
+/// `OptimizerConfig::fused(true)`, fp16 model, fp32 masters, contiguous CPU tensors) unscales
+/// each fp16 gradient element, updates the master and its state and rounds the master into the
+/// model in one pass over memory; off, `step` makes the fp32 gradient a slice at a time, runs
+/// libtorch's kernel on it and rounds the slice back (three passes, the same bits). For tests
+/// and benchmarks.
+pub fn set_o2_single_pass(on: bool) -> bool {
+    crate::optim::set_o2_single_pass(on)
+}
+
+/// The form of O2's single-pass Adam (`adamw == false`) or AdamW update that reproduces
+/// libtorch's fused kernel bit for bit on this machine, found on a probe at the first call
+/// (once per process and mode): a description such as `"v: fma(v, beta2, (1-beta2)*g*g); L2:
+/// fma(p, wd, g); vector width 8"`, or `None` when no form matches (another libtorch build, a
+/// CPU without AVX2/FMA/F16C), in which case `step` takes the slice-wise path.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the probe itself fails (not expected).
+pub fn o2_single_pass_form(adamw: bool) -> Result<Option<String>> {
+    Ok(crate::sys::o2_adam_form(adamw)?.map(|(sq, wd, width)| {
+        let sq = match sq {
+            1 => "fma(v, beta2, (1-beta2)*g*g)",
+            2 => "fma((1-beta2)*g, g, v*beta2)",
+            _ => "v*beta2 + (1-beta2)*g*g",
+        };
+        let wd = if adamw {
+            "decoupled (p * (1 - lr*wd))"
+        } else if wd == 1 {
+            "fma(p, wd, g)"
+        } else {
+            "g + p*wd"
+        };
+        format!("v: {sq}; weight decay: {wd}; vector width {width}")
+    }))
+}
+
 static HOST_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Counts one read of a tensor value into host memory by tch-amp (on CUDA: a host sync).

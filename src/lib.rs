@@ -129,9 +129,9 @@ pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelErr
 pub use error::{AmpError, Result};
 pub use model::{AmpInputs, AmpModel, CastReport};
 pub use optim::{
-    unscale_, Algorithm, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, GroupRecord,
-    GroupView, HyperParams, MemoryReport, NovoGradNorm, OptimizerConfig, OptimizerRecord, ParamGroup, ParamRecord,
-    ParamState, ParamView, StateShape, StateSpec, StepOutcome, UpdateRule,
+    non_finite_check_, unscale_, Algorithm, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd,
+    GroupRecord, GroupView, HyperParams, MemoryReport, NovoGradNorm, OptimizerConfig, OptimizerRecord, ParamGroup,
+    ParamRecord, ParamState, ParamView, StateShape, StateSpec, StepOutcome, UpdateRule,
 };
 pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
 pub use torch_checkpoint::{

@@ -20,9 +20,13 @@ compare against RefLAMB with max_abs_diff 1e-3).
 
 Run with the venv's python (TCH_AMP_PYTHON in .cargo/config.toml) from the repository root:
 
-    $TCH_AMP_PYTHON scripts/reference/apex_optim_fixtures.py tests/fixtures/apex_optimizers.safetensors
+    $TCH_AMP_PYTHON scripts/reference/apex_optim_fixtures.py OUT.safetensors
 
-Each case runs twice, as tests/fixtures/optim_bitwise.safetensors does (see
+The Rust tests run it themselves at test time (tests/common/reference.rs, Fixture::generated):
+libtorch's element-wise CPU kernels differ in the last bit between vector ISAs (AVX2, AVX512),
+so the expected values are made on the CPU that runs the tests.
+
+Each case runs twice, as optim_fixtures.py does (see
 scripts/reference/optim_fixtures.py):
 - "fp32": fp32 parameters; the gradient of step s is the stored `k` (the Rust test gets it as
   the gradient of sum(p * k)).

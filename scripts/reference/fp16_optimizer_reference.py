@@ -4,7 +4,11 @@ e13873de) re-implemented from its documented algorithm, on CPU with the venv's t
 Run from the repository root with the venv's python (its path is TCH_AMP_PYTHON in
 .cargo/config.toml):
 
-    $TCH_AMP_PYTHON scripts/reference/fp16_optimizer_reference.py tests/fixtures/fp16_optimizer.safetensors
+    $TCH_AMP_PYTHON scripts/reference/fp16_optimizer_reference.py OUT.safetensors
+
+The Rust tests run it themselves at test time (tests/common/reference.rs, Fixture::generated):
+libtorch's element-wise CPU kernels differ in the last bit between vector ISAs (AVX2, AVX512),
+so the expected values are made on the CPU that runs the tests.
 
 FP16_Optimizer, as read in Apex (this is our own code, written from that reading):
 - construction: every fp16 parameter of each group gets an fp32 master (a detached fp32 copy),

@@ -5,7 +5,11 @@ option tch-amp supports, with two parameter groups of different learning rates.
 Run with the venv's python (scripts/setup-libtorch.sh writes its path into
 .cargo/config.toml as TCH_AMP_PYTHON) from the repository root:
 
-    $TCH_AMP_PYTHON scripts/reference/optim_fixtures.py tests/fixtures/optim_bitwise.safetensors
+    $TCH_AMP_PYTHON scripts/reference/optim_fixtures.py OUT.safetensors
+
+The Rust tests run it themselves at test time (tests/common/reference.rs, Fixture::generated):
+libtorch's element-wise CPU kernels differ in the last bit between vector ISAs (AVX2, AVX512),
+so the expected values are made on the CPU that runs the tests.
 
 Every case runs twice:
 - "fp32": fp32 parameters; the gradient of step s is the stored tensor `k` (the Rust test gets

@@ -7,7 +7,11 @@ written here in torch ops, which the Rust test implements as its own `UpdateRule
 
 Run with the venv's python (TCH_AMP_PYTHON in .cargo/config.toml) from the repository root:
 
-    $TCH_AMP_PYTHON scripts/reference/param_group_fixtures.py tests/fixtures/param_groups.safetensors
+    $TCH_AMP_PYTHON scripts/reference/param_group_fixtures.py OUT.safetensors
+
+The Rust tests run it themselves at test time (tests/common/reference.rs, Fixture::generated):
+libtorch's element-wise CPU kernels differ in the last bit between vector ISAs (AVX2, AVX512),
+so the expected values are made on the CPU that runs the tests.
 
 As scripts/reference/optim_fixtures.py: each case runs for fp32 parameters ("fp32") and for
 fp32 masters of fp16 parameters ("o2", gradients through a loss scale of 65536); parameters

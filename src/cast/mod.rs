@@ -57,7 +57,7 @@ pub(crate) mod settings;
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
-pub use cpu::{CpuFeatures, CpuKernels};
+pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures, CpuKernels};
 pub use disable::DisableCastsGuard;
 pub use engine::{install_policy, ActivePolicyGuard, PolicyHandle};
 pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};

@@ -47,6 +47,7 @@ pub struct AmpConfig {
     pub(super) recovery_growth_interval: Option<u64>,
     pub(super) scale_history_len: Option<usize>,
     pub(super) check_static_overflow: Option<bool>,
+    pub(super) keep_freed_cpu_memory: Option<bool>,
 }
 
 impl AmpConfig {
@@ -301,6 +302,18 @@ impl AmpConfig {
     /// [`AmpError::ScaleCollapsed`]. At O0/O3 the loss then no longer passes straight through.
     pub fn check_static_overflow(mut self, on: bool) -> Self {
         self.check_static_overflow = Some(on);
+        self
+    }
+
+    /// Whether `initialize` sets the C allocator (glibc's malloc) to keep freed CPU memory for
+    /// reuse (default true; see [`crate::cast::keep_freed_cpu_memory`], which this calls). A
+    /// training step frees and reallocates the same multi-MiB buffers every step (fp32 copies
+    /// of fp16 weights, gradients); with glibc's defaults each of them comes back from the
+    /// kernel as fresh zeroed pages, which costs more than the emulated GEMMs' conversions.
+    /// The setting is process-wide and stays once made: `false` here only means this
+    /// `initialize` does not make it.
+    pub fn keep_freed_cpu_memory(mut self, on: bool) -> Self {
+        self.keep_freed_cpu_memory = Some(on);
         self
     }
 

@@ -29,6 +29,7 @@ pub struct Properties {
     pub(super) recovery_growth_interval: Option<u64>,
     pub(super) scale_history_len: usize,
     pub(super) check_static_overflow: bool,
+    pub(super) keep_freed_cpu_memory: bool,
 }
 
 impl Properties {
@@ -135,5 +136,10 @@ impl Properties {
     /// Whether static scales check for overflow (tch-amp's opt-in; Apex never does).
     pub fn check_static_overflow(&self) -> bool {
         self.check_static_overflow
+    }
+    /// Whether `initialize` sets glibc's malloc to keep freed CPU memory for reuse (see
+    /// [`crate::AmpConfig::keep_freed_cpu_memory`]; default true).
+    pub fn keep_freed_cpu_memory(&self) -> bool {
+        self.keep_freed_cpu_memory
     }
 }

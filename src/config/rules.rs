@@ -169,6 +169,7 @@ impl AmpConfig {
             recovery_growth_interval,
             scale_history_len: self.scale_history_len.unwrap_or(LossScaler::DEFAULT_HISTORY_LEN),
             check_static_overflow: self.check_static_overflow.unwrap_or(false),
+            keep_freed_cpu_memory: self.keep_freed_cpu_memory.unwrap_or(true),
         })
     }
 }

@@ -10,7 +10,9 @@ use tch::nn::VarStore;
 
 use super::engine::GradSlice;
 use super::engine::{check_lr, Optimizer, ParamStateBuffers};
-use super::grads::{clear_grad, set_grad, take_grad, total_norm, unscale_};
+use super::grads::{
+    clear_grad, non_finite_check_, set_grad, take_grad, total_norm, unscale_, unscale_into_, unscale_or_check_,
+};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::record::{GroupRecord, OptimizerRecord, ParamRecord};
@@ -114,8 +116,6 @@ fn count_scan() {
 struct HalfGrads {
     /// The fp32 `1 / loss_scale` of the pass that made them.
     inv_scale: Tensor,
-    /// The loss scale (1: nothing to unscale).
-    scale: f64,
 }
 
 /// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]);
@@ -786,12 +786,12 @@ impl AmpOptimizer {
                 }
             }
         }
-        unscale_(&fresh, found_inf, inv_scale)?;
+        unscale_or_check_(&fresh, found_inf, inv_scale, scale)?;
         if slice_wise {
-            let one = Tensor::f_ones([1], (Kind::Float, found_inf.device())).ctx("checking fp16 gradients")?;
-            unscale_(&half, found_inf, &one)?;
+            // Only checked (read, not written): `step` unscales them.
+            non_finite_check_(&half, found_inf)?;
             *self.half_grads.lock().map_err(|_| AmpError::PoisonedLock { what: "the optimizer" })? =
-                Some(HalfGrads { inv_scale: inv_scale.shallow_clone(), scale });
+                Some(HalfGrads { inv_scale: inv_scale.shallow_clone() });
         }
         let _no_grad = tch::no_grad_guard();
         for (i, new_grad) in targets {
@@ -848,6 +848,11 @@ impl AmpOptimizer {
             let e = &self.entries[i];
             let (model, master) =
                 (e.model().shallow_clone(), e.master().map(Tensor::shallow_clone).unwrap_or_default());
+            // libtorch's fused Adam/AdamW: the whole update in one pass over memory.
+            if self.inner.update_from_half(i, &model, &model.grad(), &half.inv_scale)? {
+                clear_grad(&model)?;
+                continue;
+            }
             let grad = model.grad().f_view([-1]).ctx("an fp16 gradient")?;
             let n = grad.numel() as i64;
             let (model_flat, master_flat) = (model.f_view([-1]).ctx("a weight")?, master.f_view([-1]).ctx("a master")?);
@@ -889,15 +894,12 @@ impl AmpOptimizer {
                 } else {
                     Tensor::f_empty([len], (Kind::Float, grad.device())).ctx("a master-gradient slice")?
                 };
-                // fp16 -> fp32, then times 1/scale in place: what the full-size path computes
-                // (a mixed-dtype multiply would make an fp32 temporary of the slice).
-                let mut g = scratch;
+                // fp16 -> fp32 times 1/scale in one pass: what the full-size path computes (its
+                // copy to fp32, then the multiply).
+                let g = scratch;
                 let source =
                     if len == n { grad.shallow_clone() } else { grad.f_narrow(0, start, len).ctx("a slice")? };
-                g.f_copy_(&source).ctx("a gradient slice")?;
-                if half.scale != 1.0 {
-                    let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
-                }
+                unscale_into_(&g, &source, &half.inv_scale)?;
                 let out = GradSlice { start, grad: g };
                 start += len;
                 Ok(Some(out))

@@ -259,6 +259,36 @@ impl OptimizerConfig {
         Ok(OptimizerConfig { algorithm, maximize, fused: self.fused })
     }
 
+    /// libtorch's fused Adam/AdamW kernel's arguments for a group with hyper-parameters `h`
+    /// (`None` unless this is torch.optim's Adam or AdamW with [`Self::fused`] on).
+    pub(crate) fn fused_adam_args(&self, h: &HyperParams) -> Result<Option<FusedAdamHyper>> {
+        if !self.fused {
+            return Ok(None);
+        }
+        let OptimizerConfig { algorithm, maximize, .. } = self.with_hyper(h)?;
+        Ok(match algorithm {
+            Algorithm::Adam(c) => Some(FusedAdamHyper {
+                beta1: c.beta1,
+                beta2: c.beta2,
+                wd: c.wd,
+                eps: c.eps,
+                amsgrad: c.amsgrad,
+                adamw: false,
+                maximize,
+            }),
+            Algorithm::AdamW(c) => Some(FusedAdamHyper {
+                beta1: c.beta1,
+                beta2: c.beta2,
+                wd: c.wd,
+                eps: c.eps,
+                amsgrad: c.amsgrad,
+                adamw: true,
+                maximize,
+            }),
+            _ => None,
+        })
+    }
+
     /// The hyper-parameters Apex reads from the optimizer, not from a group (`adam_w_mode`,
     /// LAMB's `max_grad_norm` and `use_nvlamb`, ...): groups cannot override them.
     fn optimizer_wide(&self) -> &'static [&'static str] {
@@ -495,8 +525,21 @@ impl UpdateRule for BuiltinRule {
 
 /// The value torch.optim reads from a parameter's `step`: an fp32 tensor incremented by 1 per
 /// update, so it counts exactly up to 2^24 and stays there (2^24 + 1 rounds back to 2^24).
-fn torch_step_value(count: u64) -> f64 {
+pub(crate) fn torch_step_value(count: u64) -> f64 {
     count.min(1 << 24) as f64
+}
+
+/// The scalar arguments of libtorch's fused Adam/AdamW kernel for one group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FusedAdamHyper {
+    pub(crate) beta1: f64,
+    pub(crate) beta2: f64,
+    pub(crate) wd: f64,
+    pub(crate) eps: f64,
+    pub(crate) amsgrad: bool,
+    /// AdamW (decoupled weight decay) rather than Adam.
+    pub(crate) adamw: bool,
+    pub(crate) maximize: bool,
 }
 
 /// Parameters of one fused Adam/AdamW call.

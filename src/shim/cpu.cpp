@@ -10,6 +10,10 @@
 #include <ATen/cpu/Utils.h>
 #include <c10/core/CPUAllocator.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -104,6 +108,21 @@ char* tch_amp_cpu_memory(int64_t* current, int64_t* peak, int reset_peak) {
     *current = t.current;
     *peak = t.peak;
     if (reset_peak) t.peak = t.current;
+  })
+}
+
+// glibc's malloc keeps freed memory for reuse instead of handing it back to the kernel (see
+// src/cast/cpu.rs, keep_freed_cpu_memory): blocks up to 32 MiB come from the heap (not a fresh
+// mmap each time) and the heap top is never trimmed below 1 GiB of free space. Sets *applied
+// to 1 when both settings took effect, 0 elsewhere (another C library, or mallopt refused).
+char* tch_amp_keep_freed_memory(int* applied) {
+  TCH_AMP_PROTECT({
+    *applied = 0;
+#if defined(__GLIBC__)
+    const int mmap_ok = mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
+    const int trim_ok = mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);
+    *applied = (mmap_ok == 1 && trim_ok == 1) ? 1 : 0;
+#endif
   })
 }
 

@@ -11,6 +11,7 @@ extern "C" {
     fn tch_amp_cpu_capabilities(ctx: *mut c_void, sink: StringSink) -> *mut c_char;
     fn tch_amp_cpu_memory_tracking_install() -> *mut c_char;
     fn tch_amp_cpu_memory(current: *mut i64, peak: *mut i64, reset_peak: c_int) -> *mut c_char;
+    fn tch_amp_keep_freed_memory(applied: *mut c_int) -> *mut c_char;
 }
 
 /// Appends each string the shim hands over to the `Vec<String>` behind `ctx`.
@@ -44,4 +45,12 @@ pub(crate) fn cpu_memory(reset_peak: bool) -> Result<(i64, i64)> {
     // SAFETY: plain out-pointers to locals.
     check(unsafe { tch_amp_cpu_memory(&mut current, &mut peak, c_int::from(reset_peak)) }, "cpu_memory")?;
     Ok((current, peak))
+}
+
+/// glibc's malloc set to keep freed memory for reuse (`mallopt`); whether it took effect.
+pub(crate) fn keep_freed_memory() -> Result<bool> {
+    let mut applied: c_int = 0;
+    // SAFETY: a plain out-pointer to a local.
+    check(unsafe { tch_amp_keep_freed_memory(&mut applied) }, "keep_freed_memory")?;
+    Ok(applied == 1)
 }

@@ -13,11 +13,8 @@
 //! Bit for bit because tch-amp (src/optim/apex.rs) and the reference compute the kernels'
 //! arithmetic as the same fp32 torch ops in the same order; Apex's CUDA kernels themselves
 //! differ from both in the last bits (fused multiply-adds, block-wise norm sums; see the
-//! script). The expected values are tests/fixtures/apex_optimizers.safetensors, written by
-//! scripts/reference/apex_optim_fixtures.py (PyTorch 2.13.0, CPU). Regenerate with
-//! `$TCH_AMP_PYTHON scripts/reference/apex_optim_fixtures.py tests/fixtures/apex_optimizers.safetensors`.
-use std::path::Path;
-
+//! script). The expected values are written by scripts/reference/apex_optim_fixtures.py
+//! (PyTorch 2.13.0, CPU), run by the test on the machine that runs it ([`Fixture::generated`]).
 use crate::common::reference::{
     bits_equal, case_shapes as shapes, describe_diff, split_flat as split, torch_hyper, Fixture,
 };
@@ -29,13 +26,12 @@ use tch_amp::{
     FusedNovoGrad, FusedSgd, NovoGradNorm, OptLevel, OptimizerConfig, ParamGroup,
 };
 
-const FIXTURE: &str = "tests/fixtures/apex_optimizers.safetensors";
 const CASES: usize = 17;
 /// Where the resumed run is saved and reloaded.
 const SAVE_AT: i64 = 6;
 
 fn fixture() -> Fixture {
-    Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
+    Fixture::generated("apex_optim_fixtures.py")
 }
 
 /// A group's (or the optimizer-wide options') values under tch-amp's names, `lr` left out.

@@ -1,8 +1,8 @@
 //! The legacy API (`tch_amp::fp16_utils`, Apex's `apex.fp16_utils`).
 //!
 //! - `Fp16Optimizer` against `scripts/reference/fp16_optimizer_reference.py` (our Python
-//!   re-implementation of FP16_Optimizer's documented algorithm, torch 2.13.0, CPU), fixture
-//!   `tests/fixtures/fp16_optimizer.safetensors`: three cases (SGD with momentum and weight
+//!   re-implementation of FP16_Optimizer's documented algorithm, torch 2.13.0, CPU), run by the
+//!   test on the machine that runs it (`Fixture::generated`): three cases (SGD with momentum and weight
 //!   decay under a dynamic scale with window 3; Adam with init_scale 2^32 capped at
 //!   max_loss_scale 2^16 and min_loss_scale 2^10; SGD under a static scale of 128), 12 steps
 //!   each with injected overflows (targets * 1e4) and two-loss steps
@@ -11,15 +11,11 @@
 //!   decay, as in Apex). Every step's scale
 //!   before and after, overflow flag, clip norm (-1 on overflow), stepped flag, fp32 masters
 //!   and fp32 parameter, and fp16 parameters must equal the reference bit for bit.
-//!   Regenerate with `$TCH_AMP_PYTHON scripts/reference/fp16_optimizer_reference.py
-//!   tests/fixtures/fp16_optimizer.safetensors`.
 //! - Apex's tests/L0/run_fp16util (FP16Model keeps affine batch norms fp32, casts everything
 //!   else, outputs fp16), for `fp16_model` and `network_to_half`.
 //! - The manual recipe (`prep_param_lists`, flat or not, `model_grads_to_master_grads`,
 //!   `master_params_to_model_params`, `to_python_float`, `clip_grad_norm`) from first
 //!   principles; the state dict round trip; typed errors that change nothing.
-use std::path::Path;
-
 use crate::common::reference::{bits_equal, describe_diff, Fixture};
 use serde_json::Value;
 use tch::nn::{self, ModuleT, VarStore};
@@ -31,10 +27,8 @@ use tch_amp::fp16_utils::{
 };
 use tch_amp::AmpError;
 
-const FIXTURE: &str = "tests/fixtures/fp16_optimizer.safetensors";
-
 fn fixture() -> Fixture {
-    Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
+    Fixture::generated("fp16_optimizer_reference.py")
 }
 
 /// The reference model: fc.weight fp16 [4, 8], fc.bias fp16 [4], gain fp32 [4], created in

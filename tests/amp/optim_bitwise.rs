@@ -6,22 +6,17 @@
 //! 65536). Every step's parameters and the final optimizer state must equal PyTorch's
 //! (`Tensor::equal` on the bits).
 //!
-//! The expected values are tests/fixtures/optim_bitwise.safetensors, written by
-//! scripts/reference/optim_fixtures.py (PyTorch 2.13.0, CPU; only element-wise kernels, so they
-//! do not depend on the machine's thread count). Regenerate with
-//! `$TCH_AMP_PYTHON scripts/reference/optim_fixtures.py tests/fixtures/optim_bitwise.safetensors`.
-use std::path::Path;
-
+//! The expected values are written by scripts/reference/optim_fixtures.py (PyTorch 2.13.0,
+//! CPU; only element-wise kernels, so they do not depend on the thread count), run by the test
+//! on the machine that runs it ([`Fixture::generated`]: they depend on the CPU's vector ISA).
 use crate::common::reference::{bits_equal, case_shapes as shapes, describe_diff, split_flat as split, Fixture};
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::{Amp, AmpConfig, OptLevel, OptimizerConfig};
 
-const FIXTURE: &str = "tests/fixtures/optim_bitwise.safetensors";
-
 fn fixture() -> Fixture {
-    Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
+    Fixture::generated("optim_fixtures.py")
 }
 
 fn f(case: &Value, key: &str) -> f64 {

@@ -9,11 +9,8 @@
 //! The add_param_group and BertAdam cases are also saved after 8 steps and resumed into a fresh
 //! setup, continuing with the same bits.
 //!
-//! Expected values: tests/fixtures/param_groups.safetensors, written by
-//! scripts/reference/param_group_fixtures.py (PyTorch 2.13.0, CPU). Regenerate with
-//! `$TCH_AMP_PYTHON scripts/reference/param_group_fixtures.py tests/fixtures/param_groups.safetensors`.
-use std::path::Path;
-
+//! Expected values: written by scripts/reference/param_group_fixtures.py (PyTorch 2.13.0, CPU),
+//! run by the test on the machine that runs it ([`Fixture::generated`]).
 use crate::common::reference::{bits_equal, describe_diff, split_flat, torch_hyper, Fixture};
 use serde_json::Value;
 use tch::nn::{self, VarStore};
@@ -23,7 +20,6 @@ use tch_amp::{
     OptimizerConfig, ParamGroup, StateSpec, UpdateRule,
 };
 
-const FIXTURE: &str = "tests/fixtures/param_groups.safetensors";
 const SAVE_AT: i64 = 8;
 
 /// BertAdam as a training script defines it (no bias correction, weight decay added to the
@@ -85,7 +81,7 @@ impl UpdateRule for BertAdam {
 }
 
 fn fixture() -> Fixture {
-    Fixture::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE))
+    Fixture::generated("param_group_fixtures.py")
 }
 
 fn get(h: &[(String, f64)], key: &str, default: f64) -> f64 {

@@ -1,7 +1,10 @@
 //! Shared by the bit-for-bit reference tests (optim_bitwise.rs, apex_optimizers.rs,
-//! param_groups.rs, apex_reference.rs): reading the safetensors files the reference scripts
-//! write, the optimizer fixtures' case layout, and exact tensor comparison.
+//! param_groups.rs, fp16_utils.rs, apex_reference.rs): the reference scripts' safetensors
+//! files, made on the machine that runs the tests, the optimizer fixtures' case layout, and
+//! exact tensor comparison.
 use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use safetensors::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
@@ -34,6 +37,28 @@ impl Fixture {
             tensors.insert(name, Tensor::from_data_size(view.data(), &shape, kind));
         }
         Fixture { tensors, metadata }
+    }
+
+    /// What `scripts/reference/<script> <file>` writes, run once per test process under the
+    /// venv's python (torch 2.13.0) on this machine. Made here rather than committed: libtorch's
+    /// element-wise CPU kernels are built once per vector ISA (AVX2, AVX512, ...) and those
+    /// builds differ in the last bit of some results (where the compiler fused a multiply and
+    /// an add), so values made on one CPU do not hold bit for bit on another. Expected values
+    /// then come from PyTorch on the same CPU as the Rust side.
+    pub fn generated(script: &str) -> Fixture {
+        static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+        static MADE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+        let dir = DIR.get_or_init(|| tempfile::tempdir().expect("a temporary directory"));
+        let path = dir.path().join(format!("{script}.safetensors"));
+        {
+            let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
+            if !made.iter().any(|s| s == script) {
+                let out = path.to_str().expect("a UTF-8 temporary path");
+                super::python::run_reference_script(script, &[out], Duration::from_secs(300));
+                made.push(script.to_string());
+            }
+        }
+        Fixture::read(&path)
     }
 
     pub fn read(path: &std::path::Path) -> Fixture {

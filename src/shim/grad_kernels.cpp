@@ -1,0 +1,220 @@
+// CPU kernels of the gradient path that libtorch has no single op for (bound in
+// src/sys/grads.rs):
+// - a read-only inf/NaN check of gradients (libtorch's check is fused with a multiply that
+//   writes every gradient back; with a loss scale of 1 the multiply changes nothing, so the
+//   check alone reads 2 or 4 bytes per element instead of reading and writing them);
+// - `dst = fp32(src) * inv_scale` from an fp16/bf16 gradient into an fp32 one in one pass
+//   (what `dst.copy_(src)` then `dst.mul_(inv_scale)` compute, bit for bit: the conversion is
+//   exact and the product rounds once in fp32).
+// Tensors cross as `at::Tensor*` (tch's C_tensor). Anything but contiguous CPU tensors of the
+// expected types goes through libtorch's own ops, with the same results.
+#include "amp_shim.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TCH_AMP_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+template <typename Bits>
+bool range_has_all_ones(const Bits* p, int64_t n, Bits mask);
+
+// Whether some element's exponent bits are all ones (inf or NaN) in `n` values of `Bits`.
+template <typename Bits>
+bool any_exponent_all_ones(const Bits* p, int64_t n, Bits mask) {
+  std::atomic<bool> found{false};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    if (found.load(std::memory_order_relaxed)) return;
+    if (range_has_all_ones<Bits>(p + begin, end - begin, mask)) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
+}
+
+#ifdef TCH_AMP_X86
+// AVX2 forms of any_exponent_all_ones for 16- and 32-bit values.
+__attribute__((target("avx2"))) bool any_all_ones_avx2_u16(const uint16_t* p, int64_t n, uint16_t mask) {
+  const __m256i m = _mm256_set1_epi16(static_cast<short>(mask));
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < 64; k += 16) {
+      const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + k)), m);
+      acc = _mm256_or_si256(acc, _mm256_cmpeq_epi16(v, m));
+    }
+    if (!_mm256_testz_si256(acc, acc)) return true;
+  }
+  for (; i < n; ++i) {
+    if ((p[i] & mask) == mask) return true;
+  }
+  return false;
+}
+__attribute__((target("avx2"))) bool any_all_ones_avx2_u32(const uint32_t* p, int64_t n, uint32_t mask) {
+  const __m256i m = _mm256_set1_epi32(static_cast<int>(mask));
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < 32; k += 8) {
+      const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + k)), m);
+      acc = _mm256_or_si256(acc, _mm256_cmpeq_epi32(v, m));
+    }
+    if (!_mm256_testz_si256(acc, acc)) return true;
+  }
+  for (; i < n; ++i) {
+    if ((p[i] & mask) == mask) return true;
+  }
+  return false;
+}
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+// One thread's part of any_exponent_all_ones.
+template <typename Bits>
+bool range_has_all_ones(const Bits* p, int64_t n, Bits mask) {
+#ifdef TCH_AMP_X86
+  if constexpr (sizeof(Bits) == 2) {
+    if (has_avx2()) return any_all_ones_avx2_u16(p, n, mask);
+  } else if constexpr (sizeof(Bits) == 4) {
+    if (has_avx2()) return any_all_ones_avx2_u32(p, n, mask);
+  }
+#endif
+  unsigned hits = 0;
+  for (int64_t i = 0; i < n; ++i) hits |= static_cast<unsigned>((p[i] & mask) == mask);
+  return hits != 0;
+}
+
+// Whether `t` (a CPU tensor) holds an inf or NaN; `t` contiguous.
+bool has_non_finite_cpu(const at::Tensor& t) {
+  const int64_t n = t.numel();
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return any_exponent_all_ones<uint16_t>(static_cast<const uint16_t*>(t.const_data_ptr()), n, 0x7C00);
+    case at::kBFloat16:
+      return any_exponent_all_ones<uint16_t>(static_cast<const uint16_t*>(t.const_data_ptr()), n, 0x7F80);
+    case at::kFloat:
+      return any_exponent_all_ones<uint32_t>(static_cast<const uint32_t*>(t.const_data_ptr()), n, 0x7F800000u);
+    case at::kDouble:
+      return any_exponent_all_ones<uint64_t>(static_cast<const uint64_t*>(t.const_data_ptr()), n,
+                                             0x7FF0000000000000ull);
+    default:
+      return !at::isfinite(t).all().item<bool>();
+  }
+}
+
+bool fast_check_applies(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
+         (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat ||
+          t.scalar_type() == at::kDouble);
+}
+
+#ifdef TCH_AMP_X86
+__attribute__((target("avx2,f16c"))) void half_to_float_scaled_f16c(const uint16_t* src, float* dst, int64_t n,
+                                                                     float inv) {
+  const __m256 s = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]) * inv;
+}
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+void half_to_float_scaled(const at::Half* src, float* dst, int64_t n, float inv) {
+#ifdef TCH_AMP_X86
+  if (has_f16c()) {
+    half_to_float_scaled_f16c(reinterpret_cast<const uint16_t*>(src), dst, n, inv);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * inv;
+}
+
+void bf16_to_float_scaled(const uint16_t* src, float* dst, int64_t n, float inv) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    dst[i] = f * inv;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// found_inf (a 1-element fp32 tensor) becomes 1 when any element of any of `grads` is inf or
+// NaN; the gradients are only read. Contiguous CPU tensors are scanned by their bits (one read,
+// no allocation, no host sync beyond the CPU itself); any other goes through libtorch's
+// `_amp_foreach_non_finite_check_and_unscale_` with a scale of exactly 1.
+char* tch_amp_non_finite_check_(at::Tensor** grads, int n, at::Tensor* found_inf) {
+  TCH_AMP_PROTECT({
+    std::vector<at::Tensor> other;
+    bool found = false;
+    for (int i = 0; i < n; ++i) {
+      const at::Tensor& g = *grads[i];
+      if (!g.defined()) continue;
+      if (fast_check_applies(g) && found_inf->is_cpu()) {
+        if (!found && has_non_finite_cpu(g)) found = true;
+      } else {
+        other.push_back(g);
+      }
+    }
+    if (found) found_inf->fill_(1.0);
+    if (!other.empty()) {
+      at::Tensor one = at::ones({1}, found_inf->options());
+      at::_amp_foreach_non_finite_check_and_unscale_(other, *found_inf, one);
+    }
+  })
+}
+
+// dst = fp32(src) * inv_scale: src an fp16/bf16 tensor, dst an fp32 tensor of as many elements,
+// inv_scale a 1-element fp32 tensor. One pass for contiguous CPU tensors; otherwise
+// dst.copy_(src) then dst.mul_(inv_scale), the same values.
+char* tch_amp_unscale_into_(at::Tensor* dst, at::Tensor* src, at::Tensor* inv_scale) {
+  TCH_AMP_PROTECT({
+    TORCH_CHECK(dst->numel() == src->numel(), "unscale_into: ", dst->numel(), " destination elements for ",
+                src->numel(), " source elements");
+    const bool fast = dst->is_cpu() && src->is_cpu() && inv_scale->is_cpu() && dst->is_contiguous() &&
+                      src->is_contiguous() && dst->scalar_type() == at::kFloat &&
+                      inv_scale->scalar_type() == at::kFloat && inv_scale->numel() == 1 &&
+                      (src->scalar_type() == at::kHalf || src->scalar_type() == at::kBFloat16);
+    if (!fast) {
+      dst->copy_(src->reshape(dst->sizes()));
+      dst->mul_(*inv_scale);
+      return nullptr;
+    }
+    const float inv = inv_scale->item<float>();
+    float* out = dst->data_ptr<float>();
+    const bool half = src->scalar_type() == at::kHalf;
+    const void* in = src->const_data_ptr();
+    at::parallel_for(0, dst->numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (half) {
+        half_to_float_scaled(static_cast<const at::Half*>(in) + begin, out + begin, end - begin, inv);
+      } else {
+        bf16_to_float_scaled(static_cast<const uint16_t*>(in) + begin, out + begin, end - begin, inv);
+      }
+    });
+  })
+}
+
+}  // extern "C"
+

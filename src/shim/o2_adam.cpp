@@ -1,0 +1,309 @@
+// O2's Adam/AdamW update of one fp32 master from the model's fp16 gradient in a single pass
+// over memory (bound in src/sys/optim.rs): per element, the gradient is converted to fp32 and
+// unscaled, the master and its state are updated, and the master is rounded into the model's
+// fp16 weight. The alternative, libtorch's `_fused_adam_` between an unscale pass and a
+// rounding pass, reads and writes the gradient and the master two more times.
+//
+// The arithmetic is libtorch's CPU fused Adam kernel's (aten/src/ATen/native/cpu/
+// FusedAdamKernel.cpp, `adam_math` for float): the same operations in the same order on the
+// same fp32 scalars, so the same bits. Two things depend on how that libtorch was compiled and
+// are not visible from its headers: whether the compiler fused a multiply into the following
+// add (FMA contraction) in `v * beta2 + (1 - beta2) * g * g` and in `g + p * weight_decay`,
+// and the vector width that decides which last elements take its scalar path. So the first
+// update of each mode (Adam, AdamW) runs every candidate on a probe against libtorch's own
+// kernel and keeps the one that matches it bit for bit, elements, state and rounded weight;
+// when none does (another libtorch build, a CPU without AVX2/FMA/F16C), the caller is told and
+// takes its slice-wise path. The last `numel % width` elements go through libtorch's kernel
+// itself, as they do in a whole-tensor update.
+#include "amp_shim.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define TCH_AMP_O2_ADAM 1
+#endif
+
+namespace {
+
+// How libtorch's compiler evaluated `v * beta2 + c2 * g * g`.
+enum SqForm : int { kSqPlain = 0, kSqFmaFirst = 1, kSqFmaSecond = 2 };
+// How it evaluated `g + p * weight_decay` (Adam's L2 term).
+enum WdForm : int { kWdPlain = 0, kWdFma = 1 };
+
+struct Form {
+  int sq = kSqPlain;
+  int wd = kWdPlain;
+  int width = 8;  // libtorch's Vectorized<float>::size(): 8 (AVX2) or 16 (AVX512)
+};
+
+// The fp32 scalars of one update, made from the doubles exactly as libtorch makes them.
+struct Scalars {
+  float inv, wd, decay, lerp_w, lerp_w_minus_1, b2, c2, bc2_sqrt, eps, neg_step_size;
+  bool small_lerp, maximize, amsgrad, adamw, has_wd;
+};
+
+Scalars make_scalars(float inv, double step, double lr, double beta1, double beta2, double wd, double eps,
+                     bool amsgrad, bool adamw, bool maximize) {
+  const double bc1 = 1 - std::pow(beta1, step);
+  const double step_size = lr / bc1;
+  const double bc2 = 1 - std::pow(beta2, step);
+  Scalars s{};
+  s.inv = inv;
+  s.wd = static_cast<float>(wd);
+  s.decay = static_cast<float>(1 - lr * wd);
+  s.lerp_w = static_cast<float>(1 - beta1);
+  s.lerp_w_minus_1 = s.lerp_w - 1.0f;
+  s.small_lerp = std::abs(s.lerp_w) < 0.5f;
+  s.b2 = static_cast<float>(beta2);
+  s.c2 = static_cast<float>(1 - beta2);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.eps = static_cast<float>(eps);
+  s.neg_step_size = static_cast<float>(-step_size);
+  s.maximize = maximize;
+  s.amsgrad = amsgrad;
+  s.adamw = adamw;
+  s.has_wd = wd != 0.0;
+  return s;
+}
+
+#ifdef TCH_AMP_O2_ADAM
+bool cpu_ok() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+// libtorch's Vectorized<float>::maximum: the larger, NaN when either is NaN.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 maximum(__m256 a, __m256 b) {
+  const __m256 mx = _mm256_max_ps(a, b);
+  return _mm256_or_ps(mx, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
+
+// Elements [0, n) with n a multiple of 8.
+template <int SQ, int WD>
+__attribute__((target("avx2,fma,f16c"))) void adam_fp16(const uint16_t* g16, float* p, float* m, float* v,
+                                                        float* mx, uint16_t* w16, int64_t n, const Scalars& s) {
+  const __m256 inv = _mm256_set1_ps(s.inv), wd = _mm256_set1_ps(s.wd), decay = _mm256_set1_ps(s.decay);
+  const __m256 coeff = _mm256_set1_ps(s.small_lerp ? s.lerp_w : s.lerp_w_minus_1);
+  const __m256 b2 = _mm256_set1_ps(s.b2), c2 = _mm256_set1_ps(s.c2), bc2 = _mm256_set1_ps(s.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size), neg1 = _mm256_set1_ps(-1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 g = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), inv);
+    __m256 pv = _mm256_loadu_ps(p + i);
+    if (s.maximize) g = _mm256_mul_ps(g, neg1);
+    if (s.has_wd) {
+      if (s.adamw) {
+        pv = _mm256_mul_ps(pv, decay);
+      } else if (WD == kWdFma) {
+        g = _mm256_fmadd_ps(pv, wd, g);
+      } else {
+        g = _mm256_add_ps(g, _mm256_mul_ps(pv, wd));
+      }
+    }
+    __m256 mv = _mm256_loadu_ps(m + i);
+    // exp_avg.lerp_(grad, 1 - beta1), as libtorch's kernel writes it.
+    mv = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, mv), s.small_lerp ? mv : g);
+    __m256 vv = _mm256_loadu_ps(v + i);
+    if (SQ == kSqPlain) {
+      vv = _mm256_add_ps(_mm256_mul_ps(vv, b2), _mm256_mul_ps(_mm256_mul_ps(c2, g), g));
+    } else if (SQ == kSqFmaFirst) {
+      vv = _mm256_fmadd_ps(vv, b2, _mm256_mul_ps(_mm256_mul_ps(c2, g), g));
+    } else {
+      vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(vv, b2));
+    }
+    _mm256_storeu_ps(m + i, mv);
+    _mm256_storeu_ps(v + i, vv);
+    __m256 src = vv;
+    if (s.amsgrad) {
+      src = maximum(_mm256_loadu_ps(mx + i), vv);
+      _mm256_storeu_ps(mx + i, src);
+    }
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(src), bc2), eps);
+    pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(nss, mv), denom));
+    _mm256_storeu_ps(p + i, pv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i),
+                     _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+using AdamFn = void (*)(const uint16_t*, float*, float*, float*, float*, uint16_t*, int64_t, const Scalars&);
+AdamFn pick(const Form& f) {
+  static const AdamFn table[3][2] = {{adam_fp16<kSqPlain, kWdPlain>, adam_fp16<kSqPlain, kWdFma>},
+                                     {adam_fp16<kSqFmaFirst, kWdPlain>, adam_fp16<kSqFmaFirst, kWdFma>},
+                                     {adam_fp16<kSqFmaSecond, kWdPlain>, adam_fp16<kSqFmaSecond, kWdFma>}};
+  return table[f.sq][f.wd];
+}
+#endif
+
+// The tensors of one update, flat, detached.
+struct Update {
+  at::Tensor w, g, p, m, v, mx, step;
+};
+
+// libtorch's own kernel on elements [from, n): unscale into fp32, `_fused_adam(w)_`, round back.
+void libtorch_update(const Update& u, int64_t from, float inv, double lr, double beta1, double beta2, double wd,
+                     double eps, bool amsgrad, bool adamw, bool maximize) {
+  const int64_t n = u.p.numel();
+  if (from >= n) return;
+  const int64_t len = n - from;
+  const at::Tensor g32 = u.g.narrow(0, from, len).to(at::kFloat).mul_(inv);
+  std::vector<at::Tensor> ps{u.p.narrow(0, from, len)}, gs{g32}, ms{u.m.narrow(0, from, len)},
+      vs{u.v.narrow(0, from, len)}, steps{u.step}, mxs;
+  if (amsgrad) mxs.push_back(u.mx.narrow(0, from, len));
+  if (adamw) {
+    at::_fused_adamw_(ps, gs, ms, vs, mxs, steps, lr, beta1, beta2, wd, eps, amsgrad, maximize);
+  } else {
+    at::_fused_adam_(ps, gs, ms, vs, mxs, steps, lr, beta1, beta2, wd, eps, amsgrad, maximize);
+  }
+  u.w.narrow(0, from, len).copy_(ps[0]);
+}
+
+#ifdef TCH_AMP_O2_ADAM
+// The single-pass update with form `f`: vector part here (in parallel), the tail by libtorch.
+void fused_update(const Update& u, const Form& f, float inv, double lr, double beta1, double beta2, double wd,
+                  double eps, bool amsgrad, bool adamw, bool maximize) {
+  const int64_t n = u.p.numel();
+  const int64_t nvec = n - n % f.width;
+  const Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), lr, beta1, beta2, wd, eps,
+                                 amsgrad, adamw, maximize);
+  const AdamFn fn = pick(f);
+  const auto* g = static_cast<const uint16_t*>(u.g.const_data_ptr());
+  auto* w = static_cast<uint16_t*>(u.w.data_ptr());
+  float *p = u.p.data_ptr<float>(), *m = u.m.data_ptr<float>(), *v = u.v.data_ptr<float>();
+  float* mx = amsgrad ? u.mx.data_ptr<float>() : nullptr;
+  // Units of 64 elements (cache lines of every array), 16 Ki elements per task at least.
+  const int64_t units = (nvec + 63) / 64;
+  at::parallel_for(0, units, 256, [&](int64_t ub, int64_t ue) {
+    const int64_t b = ub * 64, e = std::min(nvec, ue * 64);
+    if (e > b) fn(g + b, p + b, m + b, v + b, amsgrad ? mx + b : nullptr, w + b, e - b, s);
+  });
+  libtorch_update(u, nvec, inv, lr, beta1, beta2, wd, eps, amsgrad, adamw, maximize);
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.numel() == b.numel() && std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
+}
+
+// Finds the form that reproduces libtorch's kernel for this mode on a probe (nullopt: none).
+std::optional<Form> calibrate(bool adamw) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(20261124);
+  const int64_t n = (1 << 14) + 13;  // a tail of 13: 13 scalar elements at width 16, 5 at width 8
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const float inv = 1.0f / 65536.0f;
+  const at::Tensor p0 = at::randn({n}, gen, f32), m0 = at::randn({n}, gen, f32).mul_(0.01),
+                   v0 = at::rand({n}, gen, f32).mul_(1e-4),
+                   g16 = at::randn({n}, gen, f32).mul_(655.36).to(at::kHalf),
+                   step = at::scalar_tensor(7.0, f32);
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, wd = 0.01, eps = 1e-8;
+  Update ref{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
+  libtorch_update(ref, 0, inv, lr, beta1, beta2, wd, eps, false, adamw, false);
+  for (int width : {8, 16}) {
+    for (int sq : {kSqFmaFirst, kSqPlain, kSqFmaSecond}) {
+      for (int wdf : {kWdFma, kWdPlain}) {
+        if (adamw && wdf == kWdPlain) continue;  // AdamW has no L2 term
+        const Form f{sq, wdf, width};
+        Update u{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
+        fused_update(u, f, inv, lr, beta1, beta2, wd, eps, false, adamw, false);
+        if (same_bits(u.p, ref.p) && same_bits(u.m, ref.m) && same_bits(u.v, ref.v) && same_bits(u.w, ref.w)) {
+          return f;
+        }
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+// The calibrated form per mode (Adam, AdamW), found once per process.
+std::optional<Form> form_for(bool adamw) {
+  static std::mutex mu;
+  static bool done[2] = {false, false};
+  static std::optional<Form> found[2];
+  std::lock_guard<std::mutex> lock(mu);
+  const int k = adamw ? 1 : 0;
+  if (!done[k]) {
+    c10::AutoGradMode no_grad(false);
+    found[k] = cpu_ok() ? calibrate(adamw) : std::nullopt;
+    done[k] = true;
+  }
+  return found[k];
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// One O2 Adam (adamw = 0) or AdamW (adamw = 1) update in a single pass (see the top of this
+// file). `model`, `grad`: contiguous CPU fp16; `master`, `exp_avg`, `exp_avg_sq` (and
+// `max_exp_avg_sq` with amsgrad, else NULL): contiguous CPU fp32 of as many elements; `step`: the
+// 0-dim fp32 step count of this update; `inv_scale`: a 1-element CPU fp32 tensor. *applied = 1
+// when the update was made; 0 (nothing changed) when this build of libtorch or this CPU has no
+// form that reproduces libtorch's kernel bit for bit, or the tensors are not of those kinds.
+char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* master, at::Tensor* exp_avg,
+                             at::Tensor* exp_avg_sq, at::Tensor* max_exp_avg_sq, at::Tensor* step,
+                             at::Tensor* inv_scale, double lr, double beta1, double beta2, double weight_decay,
+                             double eps, int amsgrad, int adamw, int maximize, int* applied) {
+  TCH_AMP_PROTECT({
+    *applied = 0;
+#ifdef TCH_AMP_O2_ADAM
+    const int64_t n = master->numel();
+    auto ok = [n](const at::Tensor* t, at::ScalarType s) {
+      return t != nullptr && t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == s &&
+             t->numel() == n;
+    };
+    if (!ok(model, at::kHalf) || !ok(grad, at::kHalf) || !ok(master, at::kFloat) || !ok(exp_avg, at::kFloat) ||
+        !ok(exp_avg_sq, at::kFloat) || (amsgrad && !ok(max_exp_avg_sq, at::kFloat)) || !inv_scale->is_cpu() ||
+        inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat || !step->is_cpu()) {
+      return nullptr;
+    }
+    const std::optional<Form> form = form_for(adamw != 0);
+    if (!form.has_value()) return nullptr;
+    c10::AutoGradMode no_grad(false);
+    const Update u{model->detach().view(-1),
+                   grad->detach().view(-1),
+                   master->detach().view(-1),
+                   exp_avg->detach().view(-1),
+                   exp_avg_sq->detach().view(-1),
+                   amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
+                   step->detach()};
+    fused_update(u, *form, inv_scale->item<float>(), lr, beta1, beta2, weight_decay, eps, amsgrad != 0, adamw != 0,
+                 maximize != 0);
+    // Written through their data pointers: their version counters move as an in-place op's do.
+    for (at::Tensor* t : {model, master, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
+    if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
+    *applied = 1;
+#endif
+  })
+}
+
+// The form of the single-pass update that reproduces libtorch's kernel for Adam (adamw = 0) or
+// AdamW (adamw = 1), found on a probe at the first call: *found = 1 and the form's FMA choices
+// (*sq: 0 plain, 1 `fma(v, beta2, c2*g*g)`, 2 `fma(c2*g, g, v*beta2)`; *wd: 0 plain, 1
+// `fma(p, wd, g)`) and libtorch's vector width; *found = 0 when there is none.
+char* tch_amp_o2_adam_form(int adamw, int* found, int* sq, int* wd, int* width) {
+  TCH_AMP_PROTECT({
+    *found = 0;
+#ifdef TCH_AMP_O2_ADAM
+    const std::optional<Form> f = form_for(adamw != 0);
+    if (f.has_value()) {
+      *found = 1;
+      *sq = f->sq;
+      *wd = f->wd;
+      *width = f->width;
+    }
+#endif
+  })
+}
+
+}  // extern "C"

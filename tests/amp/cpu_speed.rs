@@ -1,0 +1,187 @@
+//! The CPU fast paths of the O2 step and of `scale_loss`'s exit, each against the slower path
+//! it replaces: the read-only inf/NaN check against libtorch's check-and-unscale, the
+//! single-pass O2 Adam/AdamW update against the slice-wise path (which `tests/o2_step.rs` ties
+//! to the full-size one, and `optim_bitwise` to torch.optim), and the allocator setting that
+//! `initialize` makes.
+use std::sync::Mutex;
+
+use tch::nn::{self, VarStore};
+use tch::{Device, Kind, Tensor};
+use tch_amp::diagnostics::{o2_single_pass_form, set_o2_single_pass};
+use tch_amp::{initialize, non_finite_check_, unscale_, AmpConfig, OptLevel, OptimizerConfig};
+
+/// The single-pass switch is process-wide: the tests that set it run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// libtorch's check (multiplying by exactly 1) on clones: what the read-only check must flag.
+fn libtorch_flag(grads: &[Tensor]) -> f64 {
+    let clones: Vec<Tensor> = grads.iter().map(Tensor::copy).collect();
+    let flag = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    unscale_(&clones, &flag, &Tensor::ones([1], (Kind::Float, Device::Cpu))).unwrap();
+    flag.double_value(&[0])
+}
+
+fn check_flag(grads: &[Tensor]) -> f64 {
+    let flag = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    non_finite_check_(grads, &flag).unwrap();
+    flag.double_value(&[0])
+}
+
+/// Raw bits of a tensor, to prove the check leaves it alone (NaN payloads included).
+fn bits(t: &Tensor) -> Vec<u8> {
+    let t = t.contiguous();
+    let mut out = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut out, t.numel());
+    out
+}
+
+#[test]
+fn read_only_check_flags_what_libtorch_flags() {
+    // Lengths around the 16- and 64-element blocks of the vector scan, and a 3-D tensor.
+    let lengths = [1i64, 7, 15, 16, 17, 63, 64, 65, 1000, 40_000];
+    let kinds = [Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double];
+    let specials = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+    let mut cases = 0;
+    for kind in kinds {
+        for &n in &lengths {
+            let clean = Tensor::randn([n], (Kind::Float, Device::Cpu)).to_kind(kind);
+            assert_eq!(check_flag(&[clean.shallow_clone()]), 0.0, "{kind:?} clean [{n}]");
+            // The largest finite values of the type are not flagged.
+            let big = match kind {
+                Kind::Half => 65504.0,
+                Kind::BFloat16 => 3.3895313892515355e38,
+                Kind::Float => f32::MAX as f64,
+                _ => f64::MAX,
+            };
+            let edge = Tensor::full([n], -big, (kind, Device::Cpu));
+            assert_eq!(check_flag(&[edge]), 0.0, "{kind:?} -max [{n}]");
+            for &special in &specials {
+                for pos in [0, n / 2, n - 1] {
+                    let g = clean.copy();
+                    let _ = g.get(pos).fill_(special);
+                    let before = bits(&g);
+                    let flag = check_flag(&[clean.shallow_clone(), g.shallow_clone()]);
+                    assert_eq!(flag, 1.0, "{kind:?} [{n}]: {special} at {pos} not flagged");
+                    assert_eq!(flag, libtorch_flag(&[clean.shallow_clone(), g.shallow_clone()]));
+                    assert_eq!(bits(&g), before, "{kind:?}: the check wrote into the gradient");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 4 * 10 * 3 * 3);
+    // A non-contiguous gradient (libtorch's own check runs on it) and an empty list.
+    let t = Tensor::randn([8, 6], (Kind::Float, Device::Cpu)).to_kind(Kind::Half).transpose(0, 1);
+    assert!(!t.is_contiguous());
+    assert_eq!(check_flag(&[t.shallow_clone()]), 0.0);
+    let _ = t.get(3).get(5).fill_(f64::NAN);
+    assert_eq!(check_flag(&[t.shallow_clone()]), 1.0);
+    assert_eq!(check_flag(&[]), 0.0);
+    // A flag already set stays set.
+    let flag = Tensor::ones([1], (Kind::Float, Device::Cpu));
+    non_finite_check_(&[Tensor::zeros([5], (Kind::Half, Device::Cpu))], &flag).unwrap();
+    assert_eq!(flag.double_value(&[0]), 1.0);
+}
+
+/// An O2 model whose parameters have sizes that are and are not multiples of 8 and 16 (the
+/// vector widths), so the single pass's vector part and libtorch's tail both run.
+fn model(vs: &VarStore) -> nn::Sequential {
+    let r = vs.root();
+    nn::seq()
+        .add(nn::linear(&r / "l1", 37, 96, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&r / "l2", 96, 13, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&r / "l3", 13, 5, Default::default()))
+}
+
+/// Trains 6 O2 steps (loss scale 1024, so gradients are unscaled by 2^-10) and returns every
+/// master's and model weight's bits, and each optimizer state tensor's.
+fn train(cfg: OptimizerConfig, single_pass: bool) -> Vec<(String, Vec<u8>)> {
+    let previous = set_o2_single_pass(single_pass);
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let x = Tensor::randn([16, 37], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([16, 5], (Kind::Float, Device::Cpu));
+    let (net, mut opt, mut amp) =
+        initialize(&vs, net, cfg, 3e-3, &AmpConfig::new(OptLevel::O2).loss_scale(1024.0).verbosity(0)).unwrap();
+    for _ in 0..6 {
+        opt.zero_grad().unwrap();
+        let loss = net.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        assert!(opt.step().unwrap().stepped());
+    }
+    set_o2_single_pass(previous);
+    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, t) in vars {
+        out.push((format!("model {name}"), bits(&t)));
+    }
+    let record = opt.to_record();
+    for p in &record.params {
+        if let Some(m) = &p.master {
+            out.push((format!("master {}", p.name), bits(m)));
+        }
+        for (k, t) in &p.buffers {
+            out.push((format!("{k} {}", p.name), bits(t)));
+        }
+    }
+    out
+}
+
+#[test]
+fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // CI's CPUs have AVX2, FMA and F16C and the venv's libtorch: a form must be found there,
+    // or the comparison below would compare the slice-wise path with itself.
+    if cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        let adam = o2_single_pass_form(false).unwrap();
+        let adamw = o2_single_pass_form(true).unwrap();
+        println!("single-pass forms: Adam {adam:?}; AdamW {adamw:?}");
+        assert!(adam.is_some() && adamw.is_some(), "no single-pass form reproduces libtorch's fused Adam here");
+    }
+    let cases: Vec<(&str, OptimizerConfig)> = vec![
+        ("adam", OptimizerConfig::from(nn::Adam::default()).fused(true)),
+        ("adam l2", OptimizerConfig::from(nn::Adam { wd: 1e-2, ..Default::default() }).fused(true)),
+        ("adam amsgrad", OptimizerConfig::from(nn::Adam { amsgrad: true, ..Default::default() }).fused(true)),
+        ("adam beta1 0.3", OptimizerConfig::from(nn::Adam { beta1: 0.3, ..Default::default() }).fused(true)),
+        ("adamw", OptimizerConfig::from(nn::AdamW { wd: 1e-2, ..Default::default() }).fused(true)),
+        (
+            "adamw amsgrad maximize",
+            OptimizerConfig::from(nn::AdamW { amsgrad: true, ..Default::default() }).fused(true).maximize(true),
+        ),
+    ];
+    for (name, cfg) in cases {
+        let single = train(cfg, true);
+        let sliced = train(cfg, false);
+        assert_eq!(single.len(), sliced.len());
+        for ((a_name, a), (b_name, b)) in single.iter().zip(&sliced) {
+            assert_eq!(a_name, b_name);
+            let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+            assert_eq!(differ, 0, "{name}: {a_name} differs in {differ} of {} bytes", a.len());
+        }
+    }
+}
+
+#[test]
+fn initialize_keeps_freed_cpu_memory_by_default() {
+    let props = AmpConfig::new(OptLevel::O2).build().unwrap();
+    assert!(props.keep_freed_cpu_memory());
+    assert!(!AmpConfig::new(OptLevel::O2).keep_freed_cpu_memory(false).build().unwrap().keep_freed_cpu_memory());
+    let _amp = tch_amp::Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
+    // glibc (every Linux CI machine here): the setting took effect and says so.
+    if cfg!(all(target_os = "linux", target_env = "gnu")) {
+        assert!(tch_amp::cast::freed_cpu_memory_kept());
+        assert!(tch_amp::cast::keep_freed_cpu_memory().unwrap());
+    }
+}
+
+#[test]
+fn bad_inputs_to_the_gradient_kernels_are_errors_not_crashes() {
+    // An integer flag for a gradient libtorch checks itself: libtorch's typed error.
+    let flag = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
+    let g = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).transpose(0, 1);
+    assert!(non_finite_check_(&[g], &flag).is_err());
+}
