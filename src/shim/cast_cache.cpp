@@ -17,11 +17,14 @@ namespace {
 struct CacheKey {
   c10::TensorImpl* impl;
   at::ScalarType to;
-  bool operator==(const CacheKey& o) const { return impl == o.impl && to == o.to; }
+  // An fp32 tensor of the values rounded to `to` (round_through), not a tensor of type `to`.
+  bool round = false;
+  bool operator==(const CacheKey& o) const { return impl == o.impl && to == o.to && round == o.round; }
 };
 struct CacheKeyHash {
   size_t operator()(const CacheKey& k) const {
-    return std::hash<const void*>()(k.impl) ^ (static_cast<size_t>(k.to) * 0x9E3779B97F4A7C15ull);
+    return std::hash<const void*>()(k.impl) ^ (static_cast<size_t>(k.to) * 0x9E3779B97F4A7C15ull) ^
+           (k.round ? 0x51ED27u : 0u);
   }
 };
 struct CacheEntry {
@@ -33,6 +36,28 @@ thread_local std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> tls_cache;
 
 bool is_managed_float(at::ScalarType t) {
   return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+
+// The cache's entry for `t` under `key` when it is still valid, else `make()` (stored under
+// grad mode).
+template <class Make>
+at::Tensor cached(const at::Tensor& t, const CacheKey& key, Make&& make) {
+  const uint32_t version = t._version();
+  const bool grad_mode = c10::GradMode::is_enabled();
+  auto it = tls_cache.find(key);
+  if (it != tls_cache.end()) {
+    const auto& e = it->second;
+    // Under grad mode only an entry with an autograd edge back to the weight may be reused.
+    if (e.version == version && (!grad_mode || e.cast.requires_grad())) return e.cast;
+    tls_cache.erase(it);
+  }
+  at::Tensor out = make();
+  if (grad_mode) {
+    tls_cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+                                          t.getIntrusivePtr()),
+                                      version, out});
+  }
+  return out;
 }
 
 }  // namespace
@@ -53,23 +78,18 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, int dev) {
   const bool cacheable = ((from == at::kFloat && is_low(to)) || (is_low(from) && to == at::kFloat)) &&
                          t.requires_grad() && t.is_leaf() && !t.is_view() && !t.is_inference();
   if (!cacheable) return t.to(to);
-  const CacheKey key{t.unsafeGetTensorImpl(), to};
-  const uint32_t version = t._version();
-  const bool grad_mode = c10::GradMode::is_enabled();
-  auto it = tls_cache.find(key);
-  if (it != tls_cache.end()) {
-    const auto& e = it->second;
-    // Under grad mode only an entry with an autograd edge back to the weight may be reused.
-    if (e.version == version && (!grad_mode || e.cast.requires_grad())) return e.cast;
-    tls_cache.erase(it);
-  }
-  at::Tensor out = t.to(to);
-  if (grad_mode) {
-    tls_cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
-                                          t.getIntrusivePtr()),
-                                      version, out});
-  }
-  return out;
+  return cached(t, CacheKey{t.unsafeGetTensorImpl(), to}, [&] { return t.to(to); });
+}
+
+// An fp32 argument of an emulated low-precision-list op (O1 on CPU): fp32 values rounded to
+// `low` in one pass (round_through), weights through the cache; a `low` argument is converted
+// to fp32 as the emulation converts it.
+at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low) {
+  if (!eligible(t, kCpu)) return t;
+  if (t.scalar_type() != at::kFloat) return cast_tensor(t, at::kFloat, kCpu);
+  const bool cacheable = t.requires_grad() && t.is_leaf() && !t.is_view() && !t.is_inference();
+  if (!cacheable) return round_through(t, low);
+  return cached(t, CacheKey{t.unsafeGetTensorImpl(), low, true}, [&] { return round_through(t, low); });
 }
 
 void cache_clear() { tls_cache.clear(); }

@@ -135,6 +135,16 @@ class CastKernel final : public c10::OperatorKernel {
       return;
     }
     const size_t nargs = op.schema().arguments().size();
+    if (emulate && cat == Category::LowPrecision) {
+      // O1's low-precision list with the CPU emulation: fp32 arguments go straight to fp32
+      // tensors of their rounded values (one pass, not a cast to fp16 and one back).
+      const at::ScalarType low = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
+      if (policy->emulates_dtype(low) && rounds_through(stack, nargs, low)) {
+        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        run_rounded(op, below, stack, nargs, low);
+        return;
+      }
+    }
     {
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
       {
@@ -257,6 +267,49 @@ class CastKernel final : public c10::OperatorKernel {
     }
   }
 
+  // Whether there are floating arguments and every one is fp32 or `low` (then the policy's cast
+  // to `low` and the emulation's cast back to fp32 are one rounding of each fp32 argument).
+  bool rounds_through(const torch::jit::Stack* stack, size_t nargs, at::ScalarType low) const {
+    bool ok = true, any = false;
+    for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
+      if (!eligible(t, kCpu)) return;
+      any = true;
+      if (t.scalar_type() != at::kFloat && t.scalar_type() != low) ok = false;
+    });
+    return ok && any;
+  }
+
+  // An emulated op of O1's low-precision list: its arguments as fp32 tensors of their values
+  // rounded to `low`, the fp32 op, its floating outputs rounded to `low` (what casting to
+  // `low` and then emulating computes, forward and backward).
+  void run_rounded(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
+                   size_t nargs, at::ScalarType low) const {
+    if (profiling.load(std::memory_order_relaxed)) ++tls_profile.emulated_calls;
+    {
+      PhaseTimer timer(tls_profile.policy_cast_ns);
+      map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return round_through_tensor(t, low); });
+    }
+    {
+      PhaseTimer timer(tls_profile.emulated_op_ns);
+      op.redispatchBoxed(below, stack);
+    }
+    round_outputs(op, stack, low);
+  }
+
+  // The floating (fp32) outputs of an emulated op rounded to `to`.
+  static void round_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::ScalarType to) {
+    PhaseTimer timer(tls_profile.emulated_output_ns);
+    const size_t nret = op.schema().returns().size();
+    auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);
+    for (size_t i = 0; i < nret; ++i) {
+      c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
+      }
+    }
+  }
+
   // CPU low-precision emulation: when every floating input is the same 16-bit type D, compute
   // the op in fp32 from the (already rounded) inputs and round the floating outputs to D —
   // what a Tensor-Core GEMM does (fp16 in, fp32 accumulate, fp16 out). The casts are made
@@ -286,17 +339,7 @@ class CastKernel final : public c10::OperatorKernel {
       PhaseTimer timer(tls_profile.emulated_op_ns);
       op.redispatchBoxed(below, stack);
     }
-    PhaseTimer timer(tls_profile.emulated_output_ns);
-    const size_t nret = op.schema().returns().size();
-    const at::ScalarType to = *low;
-    auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);
-    for (size_t i = 0; i < nret; ++i) {
-      c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
-      if (v.isTensor()) {
-        const at::Tensor& t = v.toTensor();
-        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
-      }
-    }
+    round_outputs(op, stack, *low);
   }
 
   size_t id_;

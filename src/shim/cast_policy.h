@@ -76,6 +76,12 @@ inline bool is_low(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat
 bool eligible(const at::Tensor& t, int dev);
 // Casts an eligible tensor to `to` (fp64 is never cast); model weights go through the cache.
 at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, int dev);
+// An emulated low-precision op's argument (O1 on CPU): fp32 values rounded to `low` in one pass
+// (weights cached), `low` values converted to fp32; see round_through.cpp.
+at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low);
+// fp32(low(x)) for an fp32 `x`, as an autograd function whose backward rounds the gradient
+// the same way (round_through.cpp).
+at::Tensor round_through(const at::Tensor& x, at::ScalarType low);
 void cache_clear();
 size_t cache_len();
 

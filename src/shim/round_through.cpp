@@ -1,0 +1,106 @@
+// O1 with CPU emulation: an fp32 argument of a low-precision-list op is rounded to fp16/bf16
+// and the emulation converts it straight back to fp32, two passes and two tensors. `round_through`
+// makes the fp32 tensor of the rounded values in one pass, as an autograd function whose
+// backward rounds the gradient the same way: the same values, forward and backward, as the
+// `to(fp16)` then `to(fp32)` pair (whose backwards are `to(fp16)` then `to(fp32)` on the
+// gradient). Used by cast_kernel.cpp for emulated ops (see `round_through_tensor` in
+// cast_cache.cpp for the weight cache).
+#include "cast_policy.h"
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define TCH_AMP_ROUND_X86 1
+#endif
+
+namespace tch_amp::cast {
+namespace {
+
+#ifdef TCH_AMP_ROUND_X86
+__attribute__((target("avx2,f16c"))) void round_half_f16c(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i]));
+}
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+void round_half(const float* in, float* out, int64_t n) {
+#ifdef TCH_AMP_ROUND_X86
+  if (has_f16c()) {
+    round_half_f16c(in, out, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i]));
+}
+
+// bf16's round to nearest even, as c10::BFloat16's constructor (NaN to the canonical NaN).
+void round_bf16(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, in + i, sizeof u);
+    uint32_t r;
+    if (std::isnan(in[i])) {
+      r = 0x7FC00000u;
+    } else {
+      r = ((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16) << 16;
+    }
+    std::memcpy(out + i, &r, sizeof r);
+  }
+}
+
+// fp32(low(x)) for an fp32 tensor: one pass for a contiguous CPU tensor, else libtorch's casts.
+at::Tensor round_kernel(const at::Tensor& x, at::ScalarType low) {
+  if (!(x.is_cpu() && x.is_contiguous() && x.scalar_type() == at::kFloat && x.layout() == at::kStrided)) {
+    return x.to(low).to(at::kFloat);
+  }
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const float* in = x.const_data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool half = low == at::kHalf;
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    if (half) {
+      round_half(in + b, o + b, e - b);
+    } else {
+      round_bf16(in + b, o + b, e - b);
+    }
+  });
+  return out;
+}
+
+struct RoundThrough : public torch::autograd::Function<RoundThrough> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t low) {
+    ctx->saved_data["low"] = low;
+    return round_kernel(x, static_cast<at::ScalarType>(low));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const int64_t low = ctx->saved_data["low"].toInt();
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor()};
+    // The pair's backward: the gradient rounded to `low` and back (an fp32 gradient here).
+    const at::Tensor g32 = g.scalar_type() == at::kFloat ? g : g.to(at::kFloat);
+    return {RoundThrough::apply(g32, low), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor round_through(const at::Tensor& x, at::ScalarType low) {
+  return RoundThrough::apply(x, static_cast<int64_t>(low));
+}
+
+}  // namespace tch_amp::cast
