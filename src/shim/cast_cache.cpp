@@ -17,14 +17,11 @@ namespace {
 struct CacheKey {
   c10::TensorImpl* impl;
   at::ScalarType to;
-  // An fp32 tensor of the values rounded to `to` (round_through), not a tensor of type `to`.
-  bool round = false;
-  bool operator==(const CacheKey& o) const { return impl == o.impl && to == o.to && round == o.round; }
+  bool operator==(const CacheKey& o) const { return impl == o.impl && to == o.to; }
 };
 struct CacheKeyHash {
   size_t operator()(const CacheKey& k) const {
-    return std::hash<const void*>()(k.impl) ^ (static_cast<size_t>(k.to) * 0x9E3779B97F4A7C15ull) ^
-           (k.round ? 0x51ED27u : 0u);
+    return std::hash<const void*>()(k.impl) ^ (static_cast<size_t>(k.to) * 0x9E3779B97F4A7C15ull);
   }
 };
 struct CacheEntry {
@@ -82,14 +79,17 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, int dev) {
 }
 
 // An fp32 argument of an emulated low-precision-list op (O1 on CPU): fp32 values rounded to
-// `low` in one pass (round_through), weights through the cache; a `low` argument is converted
-// to fp32 as the emulation converts it.
+// `low` in one pass (round_through); a `low` argument is converted to fp32 as the emulation
+// converts it. A model weight keeps the two casts: its cached `low` copy is shared by every op
+// that uses it in the forward, so their gradients add up in `low` before the cast back, as
+// under Apex (an RNN's weights, tied weights); one fp32 node shared by the uses would add them
+// in fp32 instead.
 at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low) {
   if (!eligible(t, kCpu)) return t;
   if (t.scalar_type() != at::kFloat) return cast_tensor(t, at::kFloat, kCpu);
   const bool cacheable = t.requires_grad() && t.is_leaf() && !t.is_view() && !t.is_inference();
-  if (!cacheable) return round_through(t, low);
-  return cached(t, CacheKey{t.unsafeGetTensorImpl(), low, true}, [&] { return round_through(t, low); });
+  if (cacheable) return cast_tensor(cast_tensor(t, low, kCpu), at::kFloat, kCpu);
+  return round_through(t, low);
 }
 
 void cache_clear() { tls_cache.clear(); }

@@ -3,8 +3,8 @@
 // makes the fp32 tensor of the rounded values in one pass, as an autograd function whose
 // backward rounds the gradient the same way: the same values, forward and backward, as the
 // `to(fp16)` then `to(fp32)` pair (whose backwards are `to(fp16)` then `to(fp32)` on the
-// gradient). Used by cast_kernel.cpp for emulated ops (see `round_through_tensor` in
-// cast_cache.cpp for the weight cache).
+// gradient). Used by cast_kernel.cpp for emulated ops' activations (`round_through_tensor` in
+// cast_cache.cpp: model weights keep their cached fp16 copy).
 #include "cast_policy.h"
 
 #include <ATen/Parallel.h>

@@ -295,3 +295,70 @@ fn native_and_emulated_kernels_agree_forward_and_backward_on_this_cpu() {
         assert_within_one_ulp_up_to_fp32_order(&emulated.1, &native.1, &gw_terms, &format!("conv2d {kind:?} dW"));
     }
 }
+
+/// O1 with emulation turns each fp32 activation of a low-precision-list op into the fp32 tensor
+/// of its rounded values in one pass; weights keep one cached `low` copy per forward, which
+/// every use converts to fp32, so that their gradients add up in `low` (as under Apex). Forward
+/// and every gradient must equal those casts written out (`to(low)`, then `to(fp32)`) bit for
+/// bit, for fp16 and bf16, with values beyond fp16's range (inf after rounding), subnormals,
+/// weights and an activation each used twice, and gradients that overflow fp16.
+#[test]
+fn o1_fp32_arguments_round_once_forward_and_backward_as_the_cast_pair() {
+    for low in [Kind::Half, Kind::BFloat16] {
+        let settings = emulated().low_precision_dtype(low);
+        // Values: ordinary, near fp16's max, fp16 subnormals, exact ties; a bias above fp16's
+        // max (inf once rounded).
+        let special = Tensor::from_slice(&[1.0f32, 6e4, -5e4, 3e-6, -4e-7, 1.0 + 2f32.powi(-11), 2049.0, 0.1]);
+        let x0 = Tensor::cat(&[det(&[3, 8], 0.3).view([-1]), special.shallow_clone() * 0.03], 0).view([4, 8]);
+        let w0 = Tensor::cat(&[det(&[5, 8], 1.1).view([-1]), special.shallow_clone()], 0).view([6, 8]);
+        let b0 = det(&[6], 2.0) + Tensor::from_slice(&[0.0f32, 0.0, 7e4, 0.0, 0.0, 0.0]);
+        let upstream = det(&[4, 6], 0.9) * 3e3;
+        let run = |through_policy: bool| -> Vec<Tensor> {
+            let (x, w, b) = (
+                x0.copy().set_requires_grad(true),
+                w0.copy().set_requires_grad(true),
+                b0.copy().set_requires_grad(true),
+            );
+            let out = if through_policy {
+                let handle = apex_with(settings);
+                handle
+                    .run(Device::Cpu, || {
+                        // `a` is an activation (not a leaf); `w` is used twice: the second time
+                        // from the cast cache.
+                        let a = &x * 1.5;
+                        let y = a.linear(&w, Some(&b));
+                        let z = a.linear(&w, None::<&Tensor>);
+                        (y, z)
+                    })
+                    .unwrap()
+            } else {
+                let up = |t: &Tensor| t.to_kind(Kind::Float);
+                // One `low` copy of each weight for the whole forward; activations per use.
+                let (w16, b16) = (w.to_kind(low), b.to_kind(low));
+                let a = &x * 1.5;
+                let y = up(&a.to_kind(low)).linear(&up(&w16), Some(&up(&b16))).to_kind(low);
+                let z = up(&a.to_kind(low)).linear(&up(&w16), None::<&Tensor>).to_kind(low);
+                (y, z)
+            };
+            let (y, z) = out;
+            assert_eq!(y.kind(), low);
+            let loss = ((y.to_kind(Kind::Float) + z.to_kind(Kind::Float)) * &upstream).sum(Kind::Float);
+            loss.backward();
+            vec![y, z, x.grad(), w.grad(), b.grad()]
+        };
+        let (got, want) = (run(true), run(false));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let what = format!("{low:?} {}", ["y", "z", "grad x", "grad w", "grad b"][i]);
+            assert_eq!(g.kind(), w.kind(), "{what}");
+            // Same bits, NaN for NaN (a NaN's payload is not part of the contract).
+            let bits = |t: &Tensor| t.view_dtype(if t.kind() == Kind::Float { Kind::Int } else { Kind::Int16 });
+            let both_nan = g.isnan().logical_and(&w.isnan());
+            let same = bits(g).eq_tensor(&bits(w)).logical_or(&both_nan);
+            assert!(same.all().int64_value(&[]) == 1, "{what} differs from the cast pair");
+        }
+        // Some gradient overflowed fp16 (inf), as the pair's does.
+        if low == Kind::Half {
+            assert!(got[3].isinf().any().int64_value(&[]) == 1 || got[2].isinf().any().int64_value(&[]) == 1);
+        }
+    }
+}
