@@ -170,6 +170,11 @@ struct Args {
     /// 0 skips it).
     #[arg(long, default_value_t = 5)]
     overflow_rounds: usize,
+    /// Add O2 rows whose fused Adam/AdamW steps in three passes (the fp32 gradient a slice at a
+    /// time, libtorch's kernel, the rounding back; the same bits) instead of the single pass,
+    /// run in the same rounds.
+    #[arg(long)]
+    compare_three_pass: bool,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
     /// come back as fresh pages) instead of `tch_amp::cast::keep_freed_cpu_memory`, which
     /// `initialize` applies by default; set for every row, the fp32 loop's included.
@@ -345,8 +350,9 @@ enum Config {
     Loop { tf32: bool },
     /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
     /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
-    /// before the slice-wise step) instead of a slice at a time in `step`.
-    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool },
+    /// before the slice-wise step) instead of a slice at a time in `step`; `three_pass`: O2's
+    /// fused Adam in three passes instead of one.
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool, three_pass: bool },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }
@@ -365,7 +371,7 @@ impl Config {
             Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
-            Config::Amp { level, dtype: Some(k), kernels, full_size } => {
+            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass } => {
                 let how = if cuda {
                     String::new()
                 } else {
@@ -373,7 +379,13 @@ impl Config {
                     let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
                     format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
                 };
-                let full = if *full_size { ", full-size master grads" } else { "" };
+                let full = if *full_size {
+                    ", full-size master grads"
+                } else if *three_pass {
+                    ", three-pass step"
+                } else {
+                    ""
+                };
                 format!("tch-amp {level} {}{how}{full}", dtype_name(*k))
             }
             Config::Torch("fp32") => "PyTorch fp32".into(),
@@ -411,7 +423,13 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
     if cuda {
         v.push(Config::Loop { tf32: true });
     }
-    v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto, full_size: false });
+    v.push(Config::Amp {
+        level: OptLevel::O0,
+        dtype: None,
+        kernels: CpuKernels::Auto,
+        full_size: false,
+        three_pass: false,
+    });
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
             let chosen = CpuFeatures::detect().auto_choice(k);
@@ -420,9 +438,12 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
             }
             for kernels in kernels {
-                v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: false });
+                v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: false, three_pass: false });
                 if args.compare_full_size && level == OptLevel::O2 {
-                    v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: true });
+                    v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: true, three_pass: false });
+                }
+                if args.compare_three_pass && level == OptLevel::O2 {
+                    v.push(Config::Amp { level, dtype: Some(k), kernels, full_size: false, three_pass: true });
                 }
             }
         }
@@ -581,9 +602,24 @@ struct AmpSession {
 }
 
 enum Runner {
-    Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
-    Amp { cfg: Box<AmpConfig>, full_size: bool, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
-    Torch { workload: Workload, mode: &'static str },
+    Loop {
+        net: Net,
+        _vs: VarStore,
+        opt: HandOpt,
+        tf32: bool,
+    },
+    Amp {
+        cfg: Box<AmpConfig>,
+        full_size: bool,
+        three_pass: bool,
+        vs: VarStore,
+        net: Option<Net>,
+        session: Option<Box<AmpSession>>,
+    },
+    Torch {
+        workload: Workload,
+        mode: &'static str,
+    },
 }
 
 struct Bench {
@@ -606,19 +642,22 @@ impl Bench {
                 let opt = HandOpt::new(&self.args, &vs);
                 Runner::Loop { net, _vs: vs, opt, tf32 }
             }
-            Config::Amp { full_size, .. } => {
+            Config::Amp { full_size, three_pass, .. } => {
                 let net = build(w, &vs);
                 let cfg = c.amp_config().expect("an Amp config");
-                Runner::Amp { cfg: Box::new(cfg), full_size, vs, net: Some(net), session: None }
+                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, vs, net: Some(net), session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
 
     fn begin_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { cfg, full_size, vs, net, session } = r {
+        if let Runner::Amp { cfg, full_size, three_pass, vs, net, session } = r {
             if *full_size {
                 self.saved_slice.set(diagnostics::set_master_grad_slice(0));
+            }
+            if *three_pass {
+                diagnostics::set_o2_single_pass(false);
             }
             let amp = Amp::new(cfg)?;
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
@@ -632,7 +671,7 @@ impl Bench {
     }
 
     fn end_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { net, session, full_size, .. } = r {
+        if let Runner::Amp { net, session, full_size, three_pass, .. } = r {
             if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
                 drop(opt);
                 *net = Some(model.into_inner());
@@ -640,6 +679,9 @@ impl Bench {
             }
             if *full_size {
                 diagnostics::set_master_grad_slice(self.saved_slice.get());
+            }
+            if *three_pass {
+                diagnostics::set_o2_single_pass(true);
             }
         }
         diagnostics::set_allow_tf32(false)?;
@@ -905,7 +947,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
     let w = Workload::Mlp;
     let (x, y) = data(w, bench.device);
     let kernels = if bench.device.is_cuda() { CpuKernels::Auto } else { CpuFeatures::detect().auto_choice(Kind::Half) };
-    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels, full_size: false };
+    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels, full_size: false, three_pass: false };
     let mut r = bench.make_runner(w, c)?;
     let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
@@ -1098,6 +1140,13 @@ fn main() -> Result<()> {
     println!(
         "- C allocator: {} (PyTorch rows: the Python process's own)",
         if kept { "freed memory kept for reuse (tch_amp::cast::keep_freed_cpu_memory)" } else { "glibc defaults" }
+    );
+    println!(
+        "- O2 fused Adam/AdamW step: {}",
+        match diagnostics::o2_single_pass_form(false)? {
+            Some(form) => format!("single pass ({form})"),
+            None => "three passes (no single-pass form reproduces libtorch's kernel here)".to_string(),
+        }
     );
     println!(
         "- versions: tch-amp {}, tch 0.26.0, libtorch {}, PyTorch {}",

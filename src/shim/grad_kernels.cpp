@@ -43,31 +43,18 @@ bool any_exponent_all_ones(const Bits* p, int64_t n, Bits mask) {
 }
 
 #ifdef TCH_AMP_X86
-// AVX2 forms of any_exponent_all_ones for 16- and 32-bit values.
-__attribute__((target("avx2"))) bool any_all_ones_avx2_u16(const uint16_t* p, int64_t n, uint16_t mask) {
-  const __m256i m = _mm256_set1_epi16(static_cast<short>(mask));
+// AVX2 form of any_exponent_all_ones for 16- or 32-bit values: 64 bytes a round, one test.
+template <typename Bits>
+__attribute__((target("avx2"))) bool any_all_ones_avx2(const Bits* p, int64_t n, Bits mask) {
+  constexpr int64_t lanes = 32 / sizeof(Bits);  // per 256-bit register
+  const __m256i m = sizeof(Bits) == 2 ? _mm256_set1_epi16(static_cast<short>(mask))
+                                      : _mm256_set1_epi32(static_cast<int>(mask));
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
+  for (; i + 4 * lanes <= n; i += 4 * lanes) {
     __m256i acc = _mm256_setzero_si256();
-    for (int k = 0; k < 64; k += 16) {
+    for (int64_t k = 0; k < 4 * lanes; k += lanes) {
       const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + k)), m);
-      acc = _mm256_or_si256(acc, _mm256_cmpeq_epi16(v, m));
-    }
-    if (!_mm256_testz_si256(acc, acc)) return true;
-  }
-  for (; i < n; ++i) {
-    if ((p[i] & mask) == mask) return true;
-  }
-  return false;
-}
-__attribute__((target("avx2"))) bool any_all_ones_avx2_u32(const uint32_t* p, int64_t n, uint32_t mask) {
-  const __m256i m = _mm256_set1_epi32(static_cast<int>(mask));
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int k = 0; k < 32; k += 8) {
-      const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + k)), m);
-      acc = _mm256_or_si256(acc, _mm256_cmpeq_epi32(v, m));
+      acc = _mm256_or_si256(acc, sizeof(Bits) == 2 ? _mm256_cmpeq_epi16(v, m) : _mm256_cmpeq_epi32(v, m));
     }
     if (!_mm256_testz_si256(acc, acc)) return true;
   }
@@ -86,10 +73,8 @@ bool has_avx2() {
 template <typename Bits>
 bool range_has_all_ones(const Bits* p, int64_t n, Bits mask) {
 #ifdef TCH_AMP_X86
-  if constexpr (sizeof(Bits) == 2) {
-    if (has_avx2()) return any_all_ones_avx2_u16(p, n, mask);
-  } else if constexpr (sizeof(Bits) == 4) {
-    if (has_avx2()) return any_all_ones_avx2_u32(p, n, mask);
+  if constexpr (sizeof(Bits) == 2 || sizeof(Bits) == 4) {
+    if (has_avx2()) return any_all_ones_avx2<Bits>(p, n, mask);
   }
 #endif
   unsigned hits = 0;
