@@ -159,7 +159,8 @@ pub fn fused_adam_(
     adamw: bool,
 ) -> Result<()> {
     let args = crate::sys::FusedAdamArgs { params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: &[], steps };
-    crate::sys::fused_adam_(&args, lr, (beta1, beta2), weight_decay, eps, false, adamw, false)
+    let h = crate::optim::FusedAdamHyper::of_adam(beta1, beta2, weight_decay, eps, false, adamw, false);
+    crate::sys::fused_adam_(&args, lr, h)
 }
 
 /// Sets libtorch's TF32 switches for CUDA matmuls and cuDNN convolutions (PyTorch's

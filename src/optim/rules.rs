@@ -267,24 +267,12 @@ impl OptimizerConfig {
         }
         let OptimizerConfig { algorithm, maximize, .. } = self.with_hyper(h)?;
         Ok(match algorithm {
-            Algorithm::Adam(c) => Some(FusedAdamHyper {
-                beta1: c.beta1,
-                beta2: c.beta2,
-                wd: c.wd,
-                eps: c.eps,
-                amsgrad: c.amsgrad,
-                adamw: false,
-                maximize,
-            }),
-            Algorithm::AdamW(c) => Some(FusedAdamHyper {
-                beta1: c.beta1,
-                beta2: c.beta2,
-                wd: c.wd,
-                eps: c.eps,
-                amsgrad: c.amsgrad,
-                adamw: true,
-                maximize,
-            }),
+            Algorithm::Adam(c) => {
+                Some(FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false, maximize))
+            }
+            Algorithm::AdamW(c) => {
+                Some(FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true, maximize))
+            }
             _ => None,
         })
     }
@@ -542,6 +530,21 @@ pub(crate) struct FusedAdamHyper {
     pub(crate) maximize: bool,
 }
 
+impl FusedAdamHyper {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn of_adam(
+        beta1: f64,
+        beta2: f64,
+        wd: f64,
+        eps: f64,
+        amsgrad: bool,
+        adamw: bool,
+        maximize: bool,
+    ) -> Self {
+        FusedAdamHyper { beta1, beta2, wd, eps, amsgrad, adamw, maximize }
+    }
+}
+
 /// Parameters of one fused Adam/AdamW call.
 #[derive(Default)]
 struct FusedBatch {
@@ -555,9 +558,9 @@ struct FusedBatch {
 
 impl FusedBatch {
     fn run(&self, algorithm: Algorithm, lr: f64, maximize: bool) -> Result<()> {
-        let (beta1, beta2, wd, eps, amsgrad, adamw) = match algorithm {
-            Algorithm::Adam(c) => (c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false),
-            Algorithm::AdamW(c) => (c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true),
+        let h = match algorithm {
+            Algorithm::Adam(c) => FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false, maximize),
+            Algorithm::AdamW(c) => FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true, maximize),
             _ => return Ok(()),
         };
         let args = sys::FusedAdamArgs {
@@ -568,7 +571,7 @@ impl FusedBatch {
             max_exp_avg_sqs: &self.max_exp_avg_sqs,
             steps: &self.steps,
         };
-        sys::fused_adam_(&args, lr, (beta1, beta2), wd, eps, amsgrad, adamw, maximize)
+        sys::fused_adam_(&args, lr, h)
     }
 }
 

@@ -12,6 +12,14 @@ namespace tch_amp {
 inline char* error_message(const std::string& msg) { return strdup(msg.c_str()); }
 }  // namespace tch_amp
 
+extern "C" {
+// The scalar arguments of an Adam/AdamW update (optim.cpp, o2_adam.cpp; src/sys/optim.rs).
+struct tch_amp_adam_scalars {
+  double lr, beta1, beta2, weight_decay, eps;
+  int amsgrad, adamw, maximize;
+};
+}
+
 #define TCH_AMP_PROTECT(...)                                                \
   try {                                                                     \
     __VA_ARGS__;                                                            \

@@ -252,11 +252,11 @@ extern "C" {
 // form that reproduces libtorch's kernel bit for bit, or the tensors are not of those kinds.
 char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* master, at::Tensor* exp_avg,
                              at::Tensor* exp_avg_sq, at::Tensor* max_exp_avg_sq, at::Tensor* step,
-                             at::Tensor* inv_scale, double lr, double beta1, double beta2, double weight_decay,
-                             double eps, int amsgrad, int adamw, int maximize, int* applied) {
+                             at::Tensor* inv_scale, const tch_amp_adam_scalars* h, int* applied) {
   TCH_AMP_PROTECT({
     *applied = 0;
 #ifdef TCH_AMP_O2_ADAM
+    const bool amsgrad = h->amsgrad != 0, adamw = h->adamw != 0;
     const int64_t n = master->numel();
     auto ok = [n](const at::Tensor* t, at::ScalarType s) {
       return t != nullptr && t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == s &&
@@ -267,7 +267,7 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
         inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat || !step->is_cpu()) {
       return nullptr;
     }
-    const std::optional<Form> form = form_for(adamw != 0);
+    const std::optional<Form> form = form_for(adamw);
     if (!form.has_value()) return nullptr;
     c10::AutoGradMode no_grad(false);
     const Update u{model->detach().view(-1),
@@ -277,8 +277,8 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
                    exp_avg_sq->detach().view(-1),
                    amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
                    step->detach()};
-    fused_update(u, *form, inv_scale->item<float>(), lr, beta1, beta2, weight_decay, eps, amsgrad != 0, adamw != 0,
-                 maximize != 0);
+    fused_update(u, *form, inv_scale->item<float>(), h->lr, h->beta1, h->beta2, h->weight_decay, h->eps, amsgrad,
+                 adamw, h->maximize != 0);
     // Written through their data pointers: their version counters move as an in-place op's do.
     for (at::Tensor* t : {model, master, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
     if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();

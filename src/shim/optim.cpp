@@ -13,8 +13,7 @@ extern "C" {
 // fp32 tensors holding each parameter's step count after this update; maximize as torch's.
 char* tch_amp_fused_adam_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
                           at::Tensor** exp_avg_sqs, at::Tensor** max_exp_avg_sqs, at::Tensor** steps,
-                          int n, double lr, double beta1, double beta2, double weight_decay, double eps,
-                          int amsgrad, int adamw, int maximize) {
+                          int n, const tch_amp_adam_scalars* h) {
   TCH_AMP_PROTECT({
     auto list = [n](at::Tensor** ts) {
       std::vector<at::Tensor> v;
@@ -24,12 +23,14 @@ char* tch_amp_fused_adam_(at::Tensor** params, at::Tensor** grads, at::Tensor** 
       return v;
     };
     auto p = list(params), g = list(grads), m = list(exp_avgs), v = list(exp_avg_sqs);
-    auto mx = amsgrad ? list(max_exp_avg_sqs) : std::vector<at::Tensor>();
+    auto mx = h->amsgrad ? list(max_exp_avg_sqs) : std::vector<at::Tensor>();
     auto s = list(steps);
-    if (adamw) {
-      at::_fused_adamw_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, maximize != 0);
+    if (h->adamw) {
+      at::_fused_adamw_(p, g, m, v, mx, s, h->lr, h->beta1, h->beta2, h->weight_decay, h->eps, h->amsgrad != 0,
+                        h->maximize != 0);
     } else {
-      at::_fused_adam_(p, g, m, v, mx, s, lr, beta1, beta2, weight_decay, eps, amsgrad != 0, maximize != 0);
+      at::_fused_adam_(p, g, m, v, mx, s, h->lr, h->beta1, h->beta2, h->weight_decay, h->eps, h->amsgrad != 0,
+                       h->maximize != 0);
     }
   })
 }

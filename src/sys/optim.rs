@@ -9,9 +9,9 @@ use torch_sys::C_tensor;
 
 use super::{check, ptr, ptrs};
 use crate::error::{AmpError, Result};
+use crate::optim::FusedAdamHyper;
 
 extern "C" {
-    #[allow(clippy::too_many_arguments)]
     fn tch_amp_fused_adam_(
         params: *const *mut C_tensor,
         grads: *const *mut C_tensor,
@@ -20,14 +20,7 @@ extern "C" {
         max_exp_avg_sqs: *const *mut C_tensor,
         steps: *const *mut C_tensor,
         n: c_int,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        weight_decay: f64,
-        eps: f64,
-        amsgrad: c_int,
-        adamw: c_int,
-        maximize: c_int,
+        h: *const AdamScalars,
     ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     fn tch_amp_o2_fused_adam_(
@@ -39,14 +32,7 @@ extern "C" {
         max_exp_avg_sq: *mut C_tensor,
         step: *mut C_tensor,
         inv_scale: *mut C_tensor,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        weight_decay: f64,
-        eps: f64,
-        amsgrad: c_int,
-        adamw: c_int,
-        maximize: c_int,
+        h: *const AdamScalars,
         applied: *mut c_int,
     ) -> *mut c_char;
     fn tch_amp_o2_adam_form(
@@ -75,6 +61,35 @@ extern "C" {
     fn tch_amp_optim_mul_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
     fn tch_amp_optim_add_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
     fn tch_amp_optim_div_float(self_: *mut C_tensor, value: f64, out: *mut *mut C_tensor) -> *mut c_char;
+}
+
+/// The scalar arguments of an Adam/AdamW update as the shim takes them
+/// (`tch_amp_adam_scalars`, src/shim/amp_shim.h).
+#[repr(C)]
+struct AdamScalars {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    weight_decay: f64,
+    eps: f64,
+    amsgrad: c_int,
+    adamw: c_int,
+    maximize: c_int,
+}
+
+impl AdamScalars {
+    fn new(lr: f64, h: FusedAdamHyper) -> Self {
+        AdamScalars {
+            lr,
+            beta1: h.beta1,
+            beta2: h.beta2,
+            weight_decay: h.wd,
+            eps: h.eps,
+            amsgrad: c_int::from(h.amsgrad),
+            adamw: c_int::from(h.adamw),
+            maximize: c_int::from(h.maximize),
+        }
+    }
 }
 
 /// The tensors of one fused Adam/AdamW call; every list has one entry per parameter
@@ -107,10 +122,12 @@ pub(crate) struct O2AdamTensors<'a> {
 /// gradient unscaled into fp32, the master and its state updated with libtorch's fused kernel's
 /// arithmetic, the master rounded into the model weight. `Ok(false)`, nothing changed, where no
 /// form of the pass reproduces libtorch's kernel bit for bit (checked once per mode).
-pub(crate) fn o2_fused_adam_(t: &O2AdamTensors<'_>, lr: f64, h: crate::optim::FusedAdamHyper) -> Result<bool> {
+pub(crate) fn o2_fused_adam_(t: &O2AdamTensors<'_>, lr: f64, h: FusedAdamHyper) -> Result<bool> {
     let max = t.max_exp_avg_sq.map_or(std::ptr::null_mut(), ptr);
+    let scalars = AdamScalars::new(lr, h);
     let mut applied: c_int = 0;
-    // SAFETY: live at::Tensor handles (or NULL for an absent max_exp_avg_sq) for the call.
+    // SAFETY: live at::Tensor handles (or NULL for an absent max_exp_avg_sq) and a live
+    // `scalars` for the call; `applied` is a plain out-pointer.
     let err = unsafe {
         tch_amp_o2_fused_adam_(
             ptr(t.model),
@@ -121,14 +138,7 @@ pub(crate) fn o2_fused_adam_(t: &O2AdamTensors<'_>, lr: f64, h: crate::optim::Fu
             max,
             ptr(t.step),
             ptr(t.inv_scale),
-            lr,
-            h.beta1,
-            h.beta2,
-            h.wd,
-            h.eps,
-            c_int::from(h.amsgrad),
-            c_int::from(h.adamw),
-            c_int::from(h.maximize),
+            &scalars,
             &mut applied,
         )
     };
@@ -149,21 +159,11 @@ pub(crate) fn o2_adam_form(adamw: bool) -> Result<Option<(i32, i32, i32)>> {
     Ok((found == 1).then_some((sq, wd, width)))
 }
 
-/// One fused Adam (`adamw == false`) or AdamW update (libtorch's `_fused_adam(w)_`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn fused_adam_(
-    t: &FusedAdamArgs<'_>,
-    lr: f64,
-    (beta1, beta2): (f64, f64),
-    weight_decay: f64,
-    eps: f64,
-    amsgrad: bool,
-    adamw: bool,
-    maximize: bool,
-) -> Result<()> {
+/// One fused Adam or AdamW update (`h.adamw`) with libtorch's `_fused_adam(w)_`.
+pub(crate) fn fused_adam_(t: &FusedAdamArgs<'_>, lr: f64, h: FusedAdamHyper) -> Result<()> {
     let (p, n) = ptrs(t.params, "fused_adam")?;
     let lists = [t.grads, t.exp_avgs, t.exp_avg_sqs, t.steps];
-    if lists.iter().any(|l| l.len() != t.params.len()) || (amsgrad && t.max_exp_avg_sqs.len() != t.params.len()) {
+    if lists.iter().any(|l| l.len() != t.params.len()) || (h.amsgrad && t.max_exp_avg_sqs.len() != t.params.len()) {
         return Err(AmpError::Shim { what: "fused_adam", message: "tensor lists of different lengths".into() });
     }
     let (g, _) = ptrs(t.grads, "fused_adam")?;
@@ -171,29 +171,13 @@ pub(crate) fn fused_adam_(
     let (v, _) = ptrs(t.exp_avg_sqs, "fused_adam")?;
     let (mx, _) = ptrs(t.max_exp_avg_sqs, "fused_adam")?;
     let (s, _) = ptrs(t.steps, "fused_adam")?;
-    let mx_ptr = if amsgrad { mx.as_ptr() } else { std::ptr::null() };
+    let mx_ptr = if h.amsgrad { mx.as_ptr() } else { std::ptr::null() };
+    let scalars = AdamScalars::new(lr, h);
     // SAFETY: every pointer is a live at::Tensor handle held by `t` for the call; the lists have
-    // n entries each (checked above; max_exp_avg_sqs only with amsgrad, else NULL).
+    // n entries each (checked above; max_exp_avg_sqs only with amsgrad, else NULL); `scalars`
+    // lives through the call.
     check(
-        unsafe {
-            tch_amp_fused_adam_(
-                p.as_ptr(),
-                g.as_ptr(),
-                m.as_ptr(),
-                v.as_ptr(),
-                mx_ptr,
-                s.as_ptr(),
-                n,
-                lr,
-                beta1,
-                beta2,
-                weight_decay,
-                eps,
-                c_int::from(amsgrad),
-                c_int::from(adamw),
-                c_int::from(maximize),
-            )
-        },
+        unsafe { tch_amp_fused_adam_(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), mx_ptr, s.as_ptr(), n, &scalars) },
         "fused_adam",
     )
 }
