@@ -159,7 +159,8 @@ pub fn fused_adam_(
     adamw: bool,
 ) -> Result<()> {
     let args = crate::sys::FusedAdamArgs { params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: &[], steps };
-    let h = crate::optim::FusedAdamHyper::of_adam(beta1, beta2, weight_decay, eps, false, adamw, false);
+    let h =
+        crate::optim::FusedAdamHyper { beta1, beta2, wd: weight_decay, eps, amsgrad: false, adamw, maximize: false };
     crate::sys::fused_adam_(&args, lr, h)
 }
 

@@ -387,7 +387,7 @@ impl Optimizer {
             h,
         )?;
         if applied {
-            self.state[i].step += 1;
+            st.step += 1;
         }
         Ok(applied)
     }

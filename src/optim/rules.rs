@@ -266,15 +266,7 @@ impl OptimizerConfig {
             return Ok(None);
         }
         let OptimizerConfig { algorithm, maximize, .. } = self.with_hyper(h)?;
-        Ok(match algorithm {
-            Algorithm::Adam(c) => {
-                Some(FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false, maximize))
-            }
-            Algorithm::AdamW(c) => {
-                Some(FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true, maximize))
-            }
-            _ => None,
-        })
+        Ok(FusedAdamHyper::of(algorithm, maximize))
     }
 
     /// The hyper-parameters Apex reads from the optimizer, not from a group (`adam_w_mode`,
@@ -531,17 +523,17 @@ pub(crate) struct FusedAdamHyper {
 }
 
 impl FusedAdamHyper {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn of_adam(
-        beta1: f64,
-        beta2: f64,
-        wd: f64,
-        eps: f64,
-        amsgrad: bool,
-        adamw: bool,
-        maximize: bool,
-    ) -> Self {
-        FusedAdamHyper { beta1, beta2, wd, eps, amsgrad, adamw, maximize }
+    /// The kernel's arguments for torch.optim's Adam or AdamW (`None` for another algorithm).
+    fn of(algorithm: Algorithm, maximize: bool) -> Option<Self> {
+        match algorithm {
+            Algorithm::Adam(nn::Adam { beta1, beta2, wd, eps, amsgrad }) => {
+                Some(FusedAdamHyper { beta1, beta2, wd, eps, amsgrad, adamw: false, maximize })
+            }
+            Algorithm::AdamW(nn::AdamW { beta1, beta2, wd, eps, amsgrad }) => {
+                Some(FusedAdamHyper { beta1, beta2, wd, eps, amsgrad, adamw: true, maximize })
+            }
+            _ => None,
+        }
     }
 }
 
@@ -558,11 +550,7 @@ struct FusedBatch {
 
 impl FusedBatch {
     fn run(&self, algorithm: Algorithm, lr: f64, maximize: bool) -> Result<()> {
-        let h = match algorithm {
-            Algorithm::Adam(c) => FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, false, maximize),
-            Algorithm::AdamW(c) => FusedAdamHyper::of_adam(c.beta1, c.beta2, c.wd, c.eps, c.amsgrad, true, maximize),
-            _ => return Ok(()),
-        };
+        let Some(h) = FusedAdamHyper::of(algorithm, maximize) else { return Ok(()) };
         let args = sys::FusedAdamArgs {
             params: &self.params,
             grads: &self.grads,

@@ -17,30 +17,12 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TCH_AMP_X86 1
-#endif
 
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;
-
-template <typename Bits>
-bool range_has_all_ones(const Bits* p, int64_t n, Bits mask);
-
-// Whether some element's exponent bits are all ones (inf or NaN) in `n` values of `Bits`.
-template <typename Bits>
-bool any_exponent_all_ones(const Bits* p, int64_t n, Bits mask) {
-  std::atomic<bool> found{false};
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    if (found.load(std::memory_order_relaxed)) return;
-    if (range_has_all_ones<Bits>(p + begin, end - begin, mask)) found.store(true, std::memory_order_relaxed);
-  });
-  return found.load();
-}
 
 #ifdef TCH_AMP_X86
 // AVX2 form of any_exponent_all_ones for 16- or 32-bit values: 64 bytes a round, one test.
@@ -63,10 +45,6 @@ __attribute__((target("avx2"))) bool any_all_ones_avx2(const Bits* p, int64_t n,
   }
   return false;
 }
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 // One thread's part of any_exponent_all_ones.
@@ -74,7 +52,7 @@ template <typename Bits>
 bool range_has_all_ones(const Bits* p, int64_t n, Bits mask) {
 #ifdef TCH_AMP_X86
   if constexpr (sizeof(Bits) == 2 || sizeof(Bits) == 4) {
-    if (has_avx2()) return any_all_ones_avx2<Bits>(p, n, mask);
+    if (tch_amp::cpu_has_avx2_fma_f16c()) return any_all_ones_avx2<Bits>(p, n, mask);
   }
 #endif
   unsigned hits = 0;
@@ -82,28 +60,35 @@ bool range_has_all_ones(const Bits* p, int64_t n, Bits mask) {
   return hits != 0;
 }
 
-// Whether `t` (a CPU tensor) holds an inf or NaN; `t` contiguous.
-bool has_non_finite_cpu(const at::Tensor& t) {
-  const int64_t n = t.numel();
-  switch (t.scalar_type()) {
-    case at::kHalf:
-      return any_exponent_all_ones<uint16_t>(static_cast<const uint16_t*>(t.const_data_ptr()), n, 0x7C00);
-    case at::kBFloat16:
-      return any_exponent_all_ones<uint16_t>(static_cast<const uint16_t*>(t.const_data_ptr()), n, 0x7F80);
-    case at::kFloat:
-      return any_exponent_all_ones<uint32_t>(static_cast<const uint32_t*>(t.const_data_ptr()), n, 0x7F800000u);
-    case at::kDouble:
-      return any_exponent_all_ones<uint64_t>(static_cast<const uint64_t*>(t.const_data_ptr()), n,
-                                             0x7FF0000000000000ull);
-    default:
-      return !at::isfinite(t).all().item<bool>();
-  }
+// Whether some element's exponent bits are all ones (inf or NaN) among `t`'s values, read as
+// `Bits`.
+template <typename Bits>
+bool any_exponent_all_ones(const at::Tensor& t, Bits mask) {
+  const auto* p = static_cast<const Bits*>(t.const_data_ptr());
+  std::atomic<bool> found{false};
+  at::parallel_for(0, t.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if (found.load(std::memory_order_relaxed)) return;
+    if (range_has_all_ones<Bits>(p + begin, end - begin, mask)) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
 }
 
-bool fast_check_applies(const at::Tensor& t) {
-  return t.defined() && t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
-         (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat ||
-          t.scalar_type() == at::kDouble);
+// Whether `t` holds an inf or NaN, scanned by its bits: nullopt unless `t` is a contiguous
+// CPU tensor of a floating type (libtorch's check takes the others).
+std::optional<bool> scanned_non_finite(const at::Tensor& t) {
+  if (!(t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous())) return std::nullopt;
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return any_exponent_all_ones<uint16_t>(t, 0x7C00);
+    case at::kBFloat16:
+      return any_exponent_all_ones<uint16_t>(t, 0x7F80);
+    case at::kFloat:
+      return any_exponent_all_ones<uint32_t>(t, 0x7F800000u);
+    case at::kDouble:
+      return any_exponent_all_ones<uint64_t>(t, 0x7FF0000000000000ull);
+    default:
+      return std::nullopt;
+  }
 }
 
 #ifdef TCH_AMP_X86
@@ -117,15 +102,11 @@ __attribute__((target("avx2,f16c"))) void half_to_float_scaled_f16c(const uint16
   }
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]) * inv;
 }
-bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
-}
 #endif
 
 void half_to_float_scaled(const at::Half* src, float* dst, int64_t n, float inv) {
 #ifdef TCH_AMP_X86
-  if (has_f16c()) {
+  if (tch_amp::cpu_has_avx2_fma_f16c()) {
     half_to_float_scaled_f16c(reinterpret_cast<const uint16_t*>(src), dst, n, inv);
     return;
   }
@@ -154,17 +135,19 @@ char* tch_amp_non_finite_check_(at::Tensor** grads, int n, at::Tensor* found_inf
   TCH_AMP_PROTECT({
     std::vector<at::Tensor> other;
     bool found = false;
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < n && !found; ++i) {
       const at::Tensor& g = *grads[i];
       if (!g.defined()) continue;
-      if (fast_check_applies(g) && found_inf->is_cpu()) {
-        if (!found && has_non_finite_cpu(g)) found = true;
+      const std::optional<bool> scanned = found_inf->is_cpu() ? scanned_non_finite(g) : std::nullopt;
+      if (scanned.has_value()) {
+        found = *scanned;
       } else {
         other.push_back(g);
       }
     }
-    if (found) found_inf->fill_(1.0);
-    if (!other.empty()) {
+    if (found) {
+      found_inf->fill_(1.0);  // nothing else can change the flag
+    } else if (!other.empty()) {
       at::Tensor one = at::ones({1}, found_inf->options());
       at::_amp_foreach_non_finite_check_and_unscale_(other, *found_inf, one);
     }

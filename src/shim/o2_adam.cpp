@@ -29,11 +29,6 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define TCH_AMP_O2_ADAM 1
-#endif
-
 namespace {
 
 // How libtorch's compiler evaluated `v * beta2 + c2 * g * g`.
@@ -53,8 +48,8 @@ struct Scalars {
   bool small_lerp, maximize, amsgrad, adamw, has_wd;
 };
 
-Scalars make_scalars(float inv, double step, double lr, double beta1, double beta2, double wd, double eps,
-                     bool amsgrad, bool adamw, bool maximize) {
+Scalars make_scalars(float inv, double step, const tch_amp_adam_scalars& h) {
+  const double lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay;
   const double bc1 = 1 - std::pow(beta1, step);
   const double step_size = lr / bc1;
   const double bc2 = 1 - std::pow(beta2, step);
@@ -68,22 +63,16 @@ Scalars make_scalars(float inv, double step, double lr, double beta1, double bet
   s.b2 = static_cast<float>(beta2);
   s.c2 = static_cast<float>(1 - beta2);
   s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  s.eps = static_cast<float>(eps);
+  s.eps = static_cast<float>(h.eps);
   s.neg_step_size = static_cast<float>(-step_size);
-  s.maximize = maximize;
-  s.amsgrad = amsgrad;
-  s.adamw = adamw;
+  s.maximize = h.maximize != 0;
+  s.amsgrad = h.amsgrad != 0;
+  s.adamw = h.adamw != 0;
   s.has_wd = wd != 0.0;
   return s;
 }
 
-#ifdef TCH_AMP_O2_ADAM
-bool cpu_ok() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-
+#ifdef TCH_AMP_X86
 // libtorch's Vectorized<float>::maximum: the larger, NaN when either is NaN.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 maximum(__m256 a, __m256 b) {
   const __m256 mx = _mm256_max_ps(a, b);
@@ -152,8 +141,8 @@ struct Update {
 };
 
 // libtorch's own kernel on elements [from, n): unscale into fp32, `_fused_adam(w)_`, round back.
-void libtorch_update(const Update& u, int64_t from, float inv, double lr, double beta1, double beta2, double wd,
-                     double eps, bool amsgrad, bool adamw, bool maximize) {
+void libtorch_update(const Update& u, int64_t from, float inv, const tch_amp_adam_scalars& h) {
+  const bool amsgrad = h.amsgrad != 0, maximize = h.maximize != 0;
   const int64_t n = u.p.numel();
   if (from >= n) return;
   const int64_t len = n - from;
@@ -161,22 +150,21 @@ void libtorch_update(const Update& u, int64_t from, float inv, double lr, double
   std::vector<at::Tensor> ps{u.p.narrow(0, from, len)}, gs{g32}, ms{u.m.narrow(0, from, len)},
       vs{u.v.narrow(0, from, len)}, steps{u.step}, mxs;
   if (amsgrad) mxs.push_back(u.mx.narrow(0, from, len));
-  if (adamw) {
-    at::_fused_adamw_(ps, gs, ms, vs, mxs, steps, lr, beta1, beta2, wd, eps, amsgrad, maximize);
+  if (h.adamw != 0) {
+    at::_fused_adamw_(ps, gs, ms, vs, mxs, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, amsgrad, maximize);
   } else {
-    at::_fused_adam_(ps, gs, ms, vs, mxs, steps, lr, beta1, beta2, wd, eps, amsgrad, maximize);
+    at::_fused_adam_(ps, gs, ms, vs, mxs, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, amsgrad, maximize);
   }
   u.w.narrow(0, from, len).copy_(ps[0]);
 }
 
-#ifdef TCH_AMP_O2_ADAM
+#ifdef TCH_AMP_X86
 // The single-pass update with form `f`: vector part here (in parallel), the tail by libtorch.
-void fused_update(const Update& u, const Form& f, float inv, double lr, double beta1, double beta2, double wd,
-                  double eps, bool amsgrad, bool adamw, bool maximize) {
+void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_scalars& h) {
   const int64_t n = u.p.numel();
   const int64_t nvec = n - n % f.width;
-  const Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), lr, beta1, beta2, wd, eps,
-                                 amsgrad, adamw, maximize);
+  const bool amsgrad = h.amsgrad != 0;
+  const Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), h);
   const AdamFn fn = pick(f);
   const auto* g = static_cast<const uint16_t*>(u.g.const_data_ptr());
   auto* w = static_cast<uint16_t*>(u.w.data_ptr());
@@ -188,7 +176,7 @@ void fused_update(const Update& u, const Form& f, float inv, double lr, double b
     const int64_t b = ub * 64, e = std::min(nvec, ue * 64);
     if (e > b) fn(g + b, p + b, m + b, v + b, amsgrad ? mx + b : nullptr, w + b, e - b, s);
   });
-  libtorch_update(u, nvec, inv, lr, beta1, beta2, wd, eps, amsgrad, adamw, maximize);
+  libtorch_update(u, nvec, inv, h);
 }
 
 bool same_bits(const at::Tensor& a, const at::Tensor& b) {
@@ -205,16 +193,16 @@ std::optional<Form> calibrate(bool adamw) {
                    v0 = at::rand({n}, gen, f32).mul_(1e-4),
                    g16 = at::randn({n}, gen, f32).mul_(655.36).to(at::kHalf),
                    step = at::scalar_tensor(7.0, f32);
-  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, wd = 0.01, eps = 1e-8;
+  const tch_amp_adam_scalars h{1e-3, 0.9, 0.999, 0.01, 1e-8, /*amsgrad=*/0, adamw ? 1 : 0, /*maximize=*/0};
   Update ref{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
-  libtorch_update(ref, 0, inv, lr, beta1, beta2, wd, eps, false, adamw, false);
+  libtorch_update(ref, 0, inv, h);
   for (int width : {8, 16}) {
     for (int sq : {kSqFmaFirst, kSqPlain, kSqFmaSecond}) {
       for (int wdf : {kWdFma, kWdPlain}) {
         if (adamw && wdf == kWdPlain) continue;  // AdamW has no L2 term
         const Form f{sq, wdf, width};
         Update u{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
-        fused_update(u, f, inv, lr, beta1, beta2, wd, eps, false, adamw, false);
+        fused_update(u, f, inv, h);
         if (same_bits(u.p, ref.p) && same_bits(u.m, ref.m) && same_bits(u.v, ref.v) && same_bits(u.w, ref.w)) {
           return f;
         }
@@ -233,7 +221,7 @@ std::optional<Form> form_for(bool adamw) {
   const int k = adamw ? 1 : 0;
   if (!done[k]) {
     c10::AutoGradMode no_grad(false);
-    found[k] = cpu_ok() ? calibrate(adamw) : std::nullopt;
+    found[k] = tch_amp::cpu_has_avx2_fma_f16c() ? calibrate(adamw) : std::nullopt;
     done[k] = true;
   }
   return found[k];
@@ -255,7 +243,7 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
                              at::Tensor* inv_scale, const tch_amp_adam_scalars* h, int* applied) {
   TCH_AMP_PROTECT({
     *applied = 0;
-#ifdef TCH_AMP_O2_ADAM
+#ifdef TCH_AMP_X86
     const bool amsgrad = h->amsgrad != 0, adamw = h->adamw != 0;
     const int64_t n = master->numel();
     auto ok = [n](const at::Tensor* t, at::ScalarType s) {
@@ -277,8 +265,7 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
                    exp_avg_sq->detach().view(-1),
                    amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
                    step->detach()};
-    fused_update(u, *form, inv_scale->item<float>(), h->lr, h->beta1, h->beta2, h->weight_decay, h->eps, amsgrad,
-                 adamw, h->maximize != 0);
+    fused_update(u, *form, inv_scale->item<float>(), *h);
     // Written through their data pointers: their version counters move as an in-place op's do.
     for (at::Tensor* t : {model, master, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
     if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
@@ -294,7 +281,7 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
 char* tch_amp_o2_adam_form(int adamw, int* found, int* sq, int* wd, int* width) {
   TCH_AMP_PROTECT({
     *found = 0;
-#ifdef TCH_AMP_O2_ADAM
+#ifdef TCH_AMP_X86
     const std::optional<Form> f = form_for(adamw != 0);
     if (f.has_value()) {
       *found = 1;

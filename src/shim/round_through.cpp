@@ -14,15 +14,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define TCH_AMP_ROUND_X86 1
-#endif
-
 namespace tch_amp::cast {
 namespace {
 
-#ifdef TCH_AMP_ROUND_X86
+#ifdef TCH_AMP_X86
 __attribute__((target("avx2,f16c"))) void round_half_f16c(const float* in, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -31,15 +26,11 @@ __attribute__((target("avx2,f16c"))) void round_half_f16c(const float* in, float
   }
   for (; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i]));
 }
-bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
-}
 #endif
 
 void round_half(const float* in, float* out, int64_t n) {
-#ifdef TCH_AMP_ROUND_X86
-  if (has_f16c()) {
+#ifdef TCH_AMP_X86
+  if (tch_amp::cpu_has_avx2_fma_f16c()) {
     round_half_f16c(in, out, n);
     return;
   }
