@@ -220,6 +220,78 @@ pub fn o2_single_pass_form(adamw: bool) -> Result<Option<String>> {
     }))
 }
 
+/// O1's rounded weight copies (CPU emulation), as [`o1_weight_copies`] reports them.
+///
+/// Under O1 with CPU emulation every fp32 weight of an emulated GEMM or convolution enters it as
+/// the fp32 tensor of its fp16 (bf16) values. A weight that the previous forward (the previous
+/// `scale_loss`) used exactly once gets that tensor from one rounding node, whose backward
+/// rounds the gradient once, instead of a cast to fp16 and a conversion back each way; tch-amp's
+/// fused Adam/AdamW (`OptimizerConfig::fused(true)`) writes it in the same pass as the update,
+/// so the forward reads it as it is. The values, forward and backward, are the two casts' bit
+/// for bit; a weight used again in the same forward has its rounding node rewired into a cast,
+/// so that the gradients of its uses still add up in fp16, as under Apex. The copies cost 4
+/// bytes per weight element between steps (and replace the 6 bytes of casts a forward made).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct O1WeightCopies {
+    /// Copies kept now.
+    pub copies: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Forward uses on the calling thread (since it started) served from a copy.
+    pub served: u64,
+    /// Forward uses on the calling thread given one rounding node made in the forward (no
+    /// current copy: the weight changed since, or its optimizer writes none).
+    pub rounded: u64,
+    /// Weights the calling thread gave a rounding node that the same forward used again
+    /// (rewired into a cast).
+    pub demoted: u64,
+}
+
+/// Turns O1's rounded weight copies ([`O1WeightCopies`]) on or off (process-wide; on by default)
+/// and returns the previous setting. Off, every weight takes the cast to fp16 and the
+/// conversion back in every forward, and no copy is kept (turning off drops them). The
+/// results are the same bits either way.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn set_o1_weight_copies(on: bool) -> Result<bool> {
+    crate::sys::cast::set_weight_copies(on)
+}
+
+/// What O1's rounded weight copies hold and have served ([`O1WeightCopies`]).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn o1_weight_copies() -> Result<O1WeightCopies> {
+    let [copies, bytes, served, rounded, demoted] = crate::sys::cast::weight_copies_stats()?;
+    let u = |v: i64| v.max(0) as u64;
+    Ok(O1WeightCopies {
+        copies: u(copies),
+        bytes: u(bytes),
+        served: u(served),
+        rounded: u(rounded),
+        demoted: u(demoted),
+    })
+}
+
+/// The rounded copy O1 keeps of weight `w` (a detached tensor sharing its storage), when one
+/// is current: written by the last update of `w`, which nothing has changed since.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn o1_weight_copy(w: &tch::Tensor) -> Result<Option<tch::Tensor>> {
+    crate::sys::cast::weight_copy(w)
+}
+
+/// Whether O1's emulation rounds fp32 tensors to fp16 with the shim's vector code (x86-64 with
+/// AVX2, FMA and F16C) rather than its portable loop, which is several times slower.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn o1_rounding_vectorized() -> Result<bool> {
+    crate::sys::cast::rounding_vectorized()
+}
+
 static HOST_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Counts one read of a tensor value into host memory by tch-amp (on CUDA: a host sync).

@@ -482,13 +482,31 @@ impl UpdateRule for BuiltinRule {
                         adam(p, &grad, st, lr, h, true, maximize)?
                     }
                     Algorithm::Adam(nn::Adam { amsgrad, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad, .. }) => {
-                        batch.exp_avgs.push(st.buffer_or_zeros("exp_avg", p)?);
-                        batch.exp_avg_sqs.push(st.buffer_or_zeros("exp_avg_sq", p)?);
-                        if amsgrad {
-                            batch.max_exp_avg_sqs.push(st.buffer_or_zeros("max_exp_avg_sq", p)?);
-                        }
+                        let exp_avg = st.buffer_or_zeros("exp_avg", p)?;
+                        let exp_avg_sq = st.buffer_or_zeros("exp_avg_sq", p)?;
+                        let max_exp_avg_sq =
+                            if amsgrad { Some(st.buffer_or_zeros("max_exp_avg_sq", p)?) } else { None };
                         let step = torch_step_value(st.step());
-                        batch.steps.push(Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?);
+                        let step = Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?;
+                        // O1 with CPU emulation: the update that also writes the weight's rounded
+                        // copy for the next forward, where O1 wants one (the same bits).
+                        if let Some(h) = FusedAdamHyper::of(algorithm, maximize) {
+                            let t = sys::O1AdamTensors {
+                                param: p,
+                                grad: &grad,
+                                exp_avg: &exp_avg,
+                                exp_avg_sq: &exp_avg_sq,
+                                max_exp_avg_sq: max_exp_avg_sq.as_ref(),
+                                step: &step,
+                            };
+                            if p.device() == tch::Device::Cpu && sys::o1_fused_adam_(&t, lr, h)? {
+                                continue;
+                            }
+                        }
+                        batch.exp_avgs.push(exp_avg);
+                        batch.exp_avg_sqs.push(exp_avg_sq);
+                        batch.max_exp_avg_sqs.extend(max_exp_avg_sq);
+                        batch.steps.push(step);
                         batch.params.push(p.shallow_clone());
                         batch.grads.push(grad);
                     }

@@ -295,6 +295,12 @@ char* tch_amp_cast_profile_take(int64_t* out) {
   })
 }
 
+// Whether O1's rounding of fp32 tensors to fp16 runs the shim's vector (F16C) code on this
+// CPU (*vectorized = 1) or its portable loop.
+char* tch_amp_cast_rounding_vectorized(int* vectorized) {
+  TCH_AMP_PROTECT(*vectorized = rounds_vectorized(at::kHalf) ? 1 : 0)
+}
+
 // Number of entries in the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_len(size_t* len) { TCH_AMP_PROTECT(*len = cache_len()) }
 

@@ -82,6 +82,12 @@ at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low);
 // fp32(low(x)) for an fp32 `x`, as an autograd function whose backward rounds the gradient
 // the same way (round_through.cpp).
 at::Tensor round_through(const at::Tensor& x, at::ScalarType low);
+// A model weight's fp32 tensor of its values rounded to `low`, as one autograd node whose
+// backward rounds the gradient the same way; `copy`, when defined, holds those values already
+// (weight_copies.h). round_through.cpp.
+at::Tensor round_weight(const at::Tensor& w, at::ScalarType low, const at::Tensor& copy);
+// Whether the rounding to `low` runs the vector (F16C) code on this CPU.
+bool rounds_vectorized(at::ScalarType low);
 void cache_clear();
 size_t cache_len();
 

@@ -2,7 +2,9 @@
 // over memory (bound in src/sys/optim.rs): per element, the gradient is converted to fp32 and
 // unscaled, the master and its state are updated, and the master is rounded into the model's
 // fp16 weight. The alternative, libtorch's `_fused_adam_` between an unscale pass and a
-// rounding pass, reads and writes the gradient and the master two more times.
+// rounding pass, reads and writes the gradient and the master two more times. The same pass
+// serves O1 with CPU emulation: an fp32 weight updated from its fp32 gradient, its values
+// rounded to fp16/bf16 written into the copy the next forward reads (weight_copies.h).
 //
 // The arithmetic is libtorch's CPU fused Adam kernel's (aten/src/ATen/native/cpu/
 // FusedAdamKernel.cpp, `adam_math` for float): the same operations in the same order on the
@@ -16,6 +18,7 @@
 // takes its slice-wise path. The last `numel % width` elements go through libtorch's kernel
 // itself, as they do in a whole-tensor update.
 #include "amp_shim.h"
+#include "weight_copies.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -79,16 +82,37 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 maximum(__m256 a, __m256 
   return _mm256_or_ps(mx, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 
+// What one update reads and writes besides the state: O2's fp16 gradient and fp16 model
+// weight, or O1's fp32 gradient and the fp32 copy of the weight rounded to fp16 or bf16
+// (weight_copies.h).
+enum Io : int { kIoHalf = 0, kIoRoundHalf = 1, kIoRoundBf16 = 2 };
+
+// bf16's round to nearest even of 8 floats, as c10::BFloat16's constructor (NaN: 0x7FC00000).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 round_bf16_8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
+
 // Elements [0, n) with n a multiple of 8.
-template <int SQ, int WD>
-__attribute__((target("avx2,fma,f16c"))) void adam_fp16(const uint16_t* g16, float* p, float* m, float* v,
-                                                        float* mx, uint16_t* w16, int64_t n, const Scalars& s) {
+template <int SQ, int WD, int IO>
+__attribute__((target("avx2,fma,f16c"))) void adam_8(const void* gp, float* p, float* m, float* v, float* mx,
+                                                     void* wp, int64_t n, const Scalars& s) {
+  const auto* g16 = static_cast<const uint16_t*>(gp);
+  const auto* g32 = static_cast<const float*>(gp);
+  auto* w16 = static_cast<uint16_t*>(wp);
+  auto* w32 = static_cast<float*>(wp);
   const __m256 inv = _mm256_set1_ps(s.inv), wd = _mm256_set1_ps(s.wd), decay = _mm256_set1_ps(s.decay);
   const __m256 coeff = _mm256_set1_ps(s.small_lerp ? s.lerp_w : s.lerp_w_minus_1);
   const __m256 b2 = _mm256_set1_ps(s.b2), c2 = _mm256_set1_ps(s.c2), bc2 = _mm256_set1_ps(s.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size), neg1 = _mm256_set1_ps(-1.0f);
   for (int64_t i = 0; i < n; i += 8) {
-    __m256 g = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), inv);
+    __m256 g = IO == kIoHalf
+                   ? _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), inv)
+                   : _mm256_loadu_ps(g32 + i);
     __m256 pv = _mm256_loadu_ps(p + i);
     if (s.maximize) g = _mm256_mul_ps(g, neg1);
     if (s.has_wd) {
@@ -121,23 +145,37 @@ __attribute__((target("avx2,fma,f16c"))) void adam_fp16(const uint16_t* g16, flo
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(src), bc2), eps);
     pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(nss, mv), denom));
     _mm256_storeu_ps(p + i, pv);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i),
-                     _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m128i h = _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (IO == kIoHalf) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i), h);
+    } else if (IO == kIoRoundHalf) {
+      // The copy is read by the next forward, not here: streamed past the caches (64-byte
+      // aligned: libtorch's CPU allocator aligns to 64 and blocks start at multiples of 64).
+      _mm256_stream_ps(w32 + i, _mm256_cvtph_ps(h));
+    } else {
+      _mm256_stream_ps(w32 + i, round_bf16_8(pv));
+    }
   }
 }
 
-using AdamFn = void (*)(const uint16_t*, float*, float*, float*, float*, uint16_t*, int64_t, const Scalars&);
-AdamFn pick(const Form& f) {
-  static const AdamFn table[3][2] = {{adam_fp16<kSqPlain, kWdPlain>, adam_fp16<kSqPlain, kWdFma>},
-                                     {adam_fp16<kSqFmaFirst, kWdPlain>, adam_fp16<kSqFmaFirst, kWdFma>},
-                                     {adam_fp16<kSqFmaSecond, kWdPlain>, adam_fp16<kSqFmaSecond, kWdFma>}};
+using AdamFn = void (*)(const void*, float*, float*, float*, float*, void*, int64_t, const Scalars&);
+template <int IO>
+AdamFn pick_io(const Form& f) {
+  static const AdamFn table[3][2] = {{adam_8<kSqPlain, kWdPlain, IO>, adam_8<kSqPlain, kWdFma, IO>},
+                                     {adam_8<kSqFmaFirst, kWdPlain, IO>, adam_8<kSqFmaFirst, kWdFma, IO>},
+                                     {adam_8<kSqFmaSecond, kWdPlain, IO>, adam_8<kSqFmaSecond, kWdFma, IO>}};
   return table[f.sq][f.wd];
+}
+AdamFn pick(const Form& f, int io) {
+  return io == kIoHalf ? pick_io<kIoHalf>(f) : io == kIoRoundHalf ? pick_io<kIoRoundHalf>(f) : pick_io<kIoRoundBf16>(f);
 }
 #endif
 
 // The tensors of one update, flat, detached.
 struct Update {
   at::Tensor w, g, p, m, v, mx, step;
+  // What `w` holds with an fp32 `w`: the values of `p` rounded to this type.
+  at::ScalarType low = at::kHalf;
 };
 
 // libtorch's own kernel on elements [from, n): unscale into fp32, `_fused_adam(w)_`, round back.
@@ -146,7 +184,9 @@ void libtorch_update(const Update& u, int64_t from, float inv, const tch_amp_ada
   const int64_t n = u.p.numel();
   if (from >= n) return;
   const int64_t len = n - from;
-  const at::Tensor g32 = u.g.narrow(0, from, len).to(at::kFloat).mul_(inv);
+  // An fp32 gradient (O1's, already unscaled) is read as it is, never written.
+  const at::Tensor g_part = u.g.narrow(0, from, len);
+  const at::Tensor g32 = g_part.scalar_type() == at::kFloat ? g_part : g_part.to(at::kFloat).mul_(inv);
   std::vector<at::Tensor> ps{u.p.narrow(0, from, len)}, gs{g32}, ms{u.m.narrow(0, from, len)},
       vs{u.v.narrow(0, from, len)}, steps{u.step}, mxs;
   if (amsgrad) mxs.push_back(u.mx.narrow(0, from, len));
@@ -155,7 +195,12 @@ void libtorch_update(const Update& u, int64_t from, float inv, const tch_amp_ada
   } else {
     at::_fused_adam_(ps, gs, ms, vs, mxs, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, amsgrad, maximize);
   }
-  u.w.narrow(0, from, len).copy_(ps[0]);
+  // The weight: O2's fp16 model (copy_ rounds), or O1's fp32 copy of the rounded values.
+  if (u.w.scalar_type() == at::kFloat) {
+    u.w.narrow(0, from, len).copy_(ps[0].to(u.low).to(at::kFloat));
+  } else {
+    u.w.narrow(0, from, len).copy_(ps[0]);
+  }
 }
 
 #ifdef TCH_AMP_X86
@@ -165,16 +210,19 @@ void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_
   const int64_t nvec = n - n % f.width;
   const bool amsgrad = h.amsgrad != 0;
   const Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), h);
-  const AdamFn fn = pick(f);
-  const auto* g = static_cast<const uint16_t*>(u.g.const_data_ptr());
-  auto* w = static_cast<uint16_t*>(u.w.data_ptr());
+  const int io = u.w.scalar_type() != at::kFloat ? kIoHalf : u.low == at::kHalf ? kIoRoundHalf : kIoRoundBf16;
+  const AdamFn fn = pick(f, io);
+  const size_t gsize = u.g.element_size(), wsize = u.w.element_size();
+  const auto* g = static_cast<const char*>(u.g.const_data_ptr());
+  auto* w = static_cast<char*>(u.w.data_ptr());
   float *p = u.p.data_ptr<float>(), *m = u.m.data_ptr<float>(), *v = u.v.data_ptr<float>();
   float* mx = amsgrad ? u.mx.data_ptr<float>() : nullptr;
   // Units of 64 elements (cache lines of every array), 16 Ki elements per task at least.
   const int64_t units = (nvec + 63) / 64;
   at::parallel_for(0, units, 256, [&](int64_t ub, int64_t ue) {
     const int64_t b = ub * 64, e = std::min(nvec, ue * 64);
-    if (e > b) fn(g + b, p + b, m + b, v + b, amsgrad ? mx + b : nullptr, w + b, e - b, s);
+    if (e > b) fn(g + b * gsize, p + b, m + b, v + b, amsgrad ? mx + b : nullptr, w + b * wsize, e - b, s);
+    if (io != kIoHalf) _mm_sfence();  // the streamed stores are visible before the task ends
   });
   libtorch_update(u, nvec, inv, h);
 }
@@ -269,6 +317,57 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
     // Written through their data pointers: their version counters move as an in-place op's do.
     for (at::Tensor* t : {model, master, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
     if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
+    *applied = 1;
+#endif
+  })
+}
+
+// O1's Adam (adamw = 0) or AdamW (adamw = 1) update of one fp32 weight `param` from its fp32
+// gradient (unscaled already) in a single pass that also writes the weight's copy rounded to
+// fp16/bf16 for the next forward (weight_copies.h), when the registry wants one for `param`.
+// The other arguments as for tch_amp_o2_fused_adam_. *applied = 1 when the update was made;
+// 0 (nothing changed) when no copy is wanted, the tensors are not contiguous CPU fp32 ones of
+// as many elements, or no form reproduces libtorch's kernel here: the caller then runs
+// libtorch's kernel.
+char* tch_amp_o1_fused_adam_(at::Tensor* param, at::Tensor* grad, at::Tensor* exp_avg, at::Tensor* exp_avg_sq,
+                             at::Tensor* max_exp_avg_sq, at::Tensor* step, const tch_amp_adam_scalars* h,
+                             int* applied) {
+  TCH_AMP_PROTECT({
+    *applied = 0;
+#ifdef TCH_AMP_X86
+    const bool amsgrad = h->amsgrad != 0, adamw = h->adamw != 0;
+    const int64_t n = param->numel();
+    auto ok = [n](const at::Tensor* t) {
+      return t != nullptr && t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+             t->numel() == n && t->layout() == at::kStrided;
+    };
+    if (!ok(param) || !ok(grad) || !ok(exp_avg) || !ok(exp_avg_sq) || (amsgrad && !ok(max_exp_avg_sq)) ||
+        !step->is_cpu()) {
+      return nullptr;
+    }
+    if (!tch_amp::cpu_has_avx2_fma_f16c()) return nullptr;
+    const std::optional<Form> form = form_for(adamw);
+    if (!form.has_value()) return nullptr;
+    auto want = tch_amp::weight_copies::wanted(*param);
+    if (!want.has_value()) return nullptr;
+    const auto [low, copy] = *want;
+    // The copy's vector stores are aligned ones (libtorch's CPU allocator aligns to 64 bytes).
+    if (reinterpret_cast<uintptr_t>(copy.data_ptr()) % 32 != 0) return nullptr;
+    c10::AutoGradMode no_grad(false);
+    Update u{copy.view(-1),
+             grad->detach().view(-1),
+             param->detach().view(-1),
+             exp_avg->detach().view(-1),
+             exp_avg_sq->detach().view(-1),
+             amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
+             step->detach()};
+    u.low = low;
+    fused_update(u, *form, 1.0f, *h);
+    // Written through their data pointers: their version counters move as an in-place op's do.
+    for (at::Tensor* t : {param, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
+    if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
+    copy.unsafeGetTensorImpl()->bump_version();
+    tch_amp::weight_copies::store(*param, low, copy);
     *applied = 1;
 #endif
   })

@@ -3,8 +3,10 @@
 // makes the fp32 tensor of the rounded values in one pass, as an autograd function whose
 // backward rounds the gradient the same way: the same values, forward and backward, as the
 // `to(fp16)` then `to(fp32)` pair (whose backwards are `to(fp16)` then `to(fp32)` on the
-// gradient). Used by cast_kernel.cpp for emulated ops' activations (`round_through_tensor` in
-// cast_cache.cpp: model weights keep their cached fp16 copy).
+// gradient). Used by cast_kernel.cpp for emulated ops' activations; model weights take
+// `round_weight` (one node, when their last forward used them once) or their cached fp16 cast
+// (cast_cache.cpp).
+#include "amp_shim.h"
 #include "cast_policy.h"
 
 #include <ATen/Parallel.h>
@@ -88,7 +90,43 @@ struct RoundThrough : public torch::autograd::Function<RoundThrough> {
   }
 };
 
+// A model weight used once per forward (see weight_copies.h): forward, the fp32 tensor of its
+// rounded values (the optimizer's copy when it is current, else made here in one pass);
+// backward, the gradient rounded the same way in one pass. For a single use these are the
+// values, forward and backward, of the cached cast to `low` and the conversion back: the cast
+// pair's backward rounds the gradient to `low` and converts it to fp32. Should the same forward
+// use the weight again, cast_cache.cpp rewires this node's edge into a cast made then, so that
+// the uses' gradients add up in `low` as with the two casts.
+struct RoundWeight : public torch::autograd::Function<RoundWeight> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& w, int64_t low,
+                            const at::Tensor* copy) {
+    ctx->saved_data["low"] = low;
+    if (copy != nullptr && copy->defined()) return copy->detach();
+    return round_kernel(w.detach(), static_cast<at::ScalarType>(low));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto low = static_cast<at::ScalarType>(ctx->saved_data["low"].toInt());
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    return {round_kernel(g.scalar_type() == at::kFloat ? g : g.to(at::kFloat), low), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor round_weight(const at::Tensor& w, at::ScalarType low, const at::Tensor& copy) {
+  return RoundWeight::apply(w, static_cast<int64_t>(low), &copy);
+}
+
+bool rounds_vectorized(at::ScalarType low) {
+#ifdef TCH_AMP_X86
+  return low == at::kHalf && tch_amp::cpu_has_avx2_fma_f16c();
+#else
+  (void)low;
+  return false;
+#endif
+}
 
 at::Tensor round_through(const at::Tensor& x, at::ScalarType low) {
   return RoundThrough::apply(x, static_cast<int64_t>(low));

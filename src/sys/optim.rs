@@ -35,6 +35,17 @@ extern "C" {
         h: *const AdamScalars,
         applied: *mut c_int,
     ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    fn tch_amp_o1_fused_adam_(
+        param: *mut C_tensor,
+        grad: *mut C_tensor,
+        exp_avg: *mut C_tensor,
+        exp_avg_sq: *mut C_tensor,
+        max_exp_avg_sq: *mut C_tensor,
+        step: *mut C_tensor,
+        h: *const AdamScalars,
+        applied: *mut c_int,
+    ) -> *mut c_char;
     fn tch_amp_o2_adam_form(
         adamw: c_int,
         found: *mut c_int,
@@ -143,6 +154,44 @@ pub(crate) fn o2_fused_adam_(t: &O2AdamTensors<'_>, lr: f64, h: FusedAdamHyper) 
         )
     };
     check(err, "o2_fused_adam")?;
+    Ok(applied == 1)
+}
+
+/// The tensors of one O1 fused Adam/AdamW update of an fp32 weight (see [`o1_fused_adam_`]).
+pub(crate) struct O1AdamTensors<'a> {
+    pub(crate) param: &'a Tensor,
+    pub(crate) grad: &'a Tensor,
+    pub(crate) exp_avg: &'a Tensor,
+    pub(crate) exp_avg_sq: &'a Tensor,
+    /// With amsgrad only.
+    pub(crate) max_exp_avg_sq: Option<&'a Tensor>,
+    /// This update's step count (a 0-dim fp32 tensor).
+    pub(crate) step: &'a Tensor,
+}
+
+/// One fp32 weight's Adam/AdamW update in a single pass that also writes the weight's copy
+/// rounded to fp16/bf16 for O1's next forward (`src/shim/weight_copies.h`), with libtorch's
+/// fused kernel's arithmetic. `Ok(false)`, nothing changed, where O1 wants no copy of this
+/// weight or the single pass does not apply (the caller runs libtorch's kernel).
+pub(crate) fn o1_fused_adam_(t: &O1AdamTensors<'_>, lr: f64, h: FusedAdamHyper) -> Result<bool> {
+    let max = t.max_exp_avg_sq.map_or(std::ptr::null_mut(), ptr);
+    let scalars = AdamScalars::new(lr, h);
+    let mut applied: c_int = 0;
+    // SAFETY: live at::Tensor handles (or NULL for an absent max_exp_avg_sq) and a live
+    // `scalars` for the call; `applied` is a plain out-pointer.
+    let err = unsafe {
+        tch_amp_o1_fused_adam_(
+            ptr(t.param),
+            ptr(t.grad),
+            ptr(t.exp_avg),
+            ptr(t.exp_avg_sq),
+            max,
+            ptr(t.step),
+            &scalars,
+            &mut applied,
+        )
+    };
+    check(err, "o1_fused_adam")?;
     Ok(applied == 1)
 }
 

@@ -7,10 +7,13 @@ use std::sync::Mutex;
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::diagnostics::{o2_single_pass_form, set_o2_single_pass};
-use tch_amp::{initialize, non_finite_check_, unscale_, AmpConfig, OptLevel, OptimizerConfig};
+use tch_amp::diagnostics::{
+    o1_weight_copies, o1_weight_copy, o2_single_pass_form, set_o1_weight_copies, set_o2_single_pass,
+};
+use tch_amp::{initialize, non_finite_check_, unscale_, AmpConfig, CpuKernels, OptLevel, OptimizerConfig};
 
-/// The single-pass switch is process-wide: the tests that set it run one at a time.
+/// The single-pass and weight-copy switches are process-wide: the tests that set them run one
+/// at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// libtorch's check (multiplying by exactly 1) on clones: what the read-only check must flag.
@@ -184,4 +187,88 @@ fn bad_inputs_to_the_gradient_kernels_are_errors_not_crashes() {
     let flag = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
     let g = Tensor::randn([4, 4], (Kind::Float, Device::Cpu)).transpose(0, 1);
     assert!(non_finite_check_(&[g], &flag).is_err());
+}
+
+/// Trains 6 O1 steps with emulated fp16 and fused Adam/AdamW, O1's rounded weight copies on or
+/// off; returns every weight's and state tensor's bits, and how many forward uses this thread
+/// served from a copy.
+fn train_o1(cfg: OptimizerConfig, copies: bool) -> (Vec<(String, Vec<u8>)>, u64) {
+    let previous = set_o1_weight_copies(copies).unwrap();
+    let served_before = o1_weight_copies().unwrap().served;
+    tch::manual_seed(11);
+    let vs = VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let x = Tensor::randn([16, 37], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([16, 5], (Kind::Float, Device::Cpu));
+    let amp_cfg = AmpConfig::new(OptLevel::O1).cpu_kernels(CpuKernels::Emulate).verbosity(0);
+    let (net, mut opt, mut amp) = initialize(&vs, net, cfg, 3e-3, &amp_cfg).unwrap();
+    for step in 0..6 {
+        opt.zero_grad().unwrap();
+        let loss = net.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        let _ = opt.step().unwrap();
+        // After an update, a copy exists exactly when they are on and the weight was used once
+        // (every one here: scale_loss's exit records the forward's uses before the step), and
+        // it holds the weight's values rounded to fp16.
+        for (name, w) in vs.variables() {
+            let copy = o1_weight_copy(&w).unwrap();
+            if copies {
+                let copy = copy.unwrap_or_else(|| panic!("step {step}: no copy of {name}"));
+                assert_eq!(bits(&copy), bits(&w.to_kind(Kind::Half).to_kind(Kind::Float)), "step {step}: {name}");
+            } else if !copies {
+                assert!(copy.is_none(), "{name}: a copy with copies off");
+            }
+        }
+    }
+    let served = o1_weight_copies().unwrap().served - served_before;
+    set_o1_weight_copies(previous).unwrap();
+    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, t) in vars {
+        out.push((format!("weight {name}"), bits(&t)));
+    }
+    for p in &opt.to_record().params {
+        for (k, t) in &p.buffers {
+            out.push((format!("{k} {}", p.name), bits(t)));
+        }
+    }
+    (out, served)
+}
+
+/// O1's rounded weight copies (written by the fused Adam/AdamW step in the same pass as the
+/// update, read by the next forward) change no bit of the training run against the casts
+/// made in every forward and libtorch's own fused kernel, for Adam, Adam with L2, amsgrad and
+/// AdamW; and the forwards did read them.
+#[test]
+fn o1_weight_copies_change_no_bit_of_a_training_run() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cases: Vec<(&str, OptimizerConfig)> = vec![
+        ("adam", OptimizerConfig::from(nn::Adam::default()).fused(true)),
+        ("adam l2", OptimizerConfig::from(nn::Adam { wd: 1e-2, ..Default::default() }).fused(true)),
+        ("adam amsgrad", OptimizerConfig::from(nn::Adam { amsgrad: true, ..Default::default() }).fused(true)),
+        (
+            "adamw maximize",
+            OptimizerConfig::from(nn::AdamW { wd: 1e-2, ..Default::default() }).fused(true).maximize(true),
+        ),
+    ];
+    let vector_path = cfg!(target_arch = "x86_64")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c");
+    for (name, cfg) in cases {
+        let (with, served) = train_o1(cfg, true);
+        let (without, served_off) = train_o1(cfg, false);
+        assert_eq!(served_off, 0, "{name}: copies served while off");
+        if vector_path {
+            // 6 parameters, read from their copies in forwards 2 to 6.
+            assert_eq!(served, 30, "{name}: forward uses served from a copy");
+        }
+        assert_eq!(with.len(), without.len());
+        for ((a_name, a), (b_name, b)) in with.iter().zip(&without) {
+            assert_eq!(a_name, b_name);
+            let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+            assert_eq!(differ, 0, "{name}: {a_name} differs in {differ} of {} bytes", a.len());
+        }
+    }
 }

@@ -9,3 +9,4 @@ mod emulation;
 mod policy;
 mod rnn;
 mod threads;
+mod weight_copies;
