@@ -175,9 +175,9 @@ struct Args {
     /// run in the same rounds.
     #[arg(long)]
     compare_three_pass: bool,
-    /// Add emulated O1 rows without the rounded weight copies (every forward casts each weight
-    /// to fp16 and back; `tch_amp::diagnostics::set_o1_weight_copies(false)`), run in the same
-    /// rounds.
+    /// Add emulated O1 rows with the rounded weight copies on (the fused Adam step writes each
+    /// weight's fp16 values for the next forward; `tch_amp::diagnostics::set_o1_weight_copies`),
+    /// run in the same rounds.
     #[arg(long)]
     compare_weight_copies: bool,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
@@ -356,16 +356,9 @@ enum Config {
     /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
     /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
     /// before the slice-wise step) instead of a slice at a time in `step`; `three_pass`: O2's
-    /// fused Adam in three passes instead of one; `no_copies`: O1 without its rounded weight
-    /// copies (every forward casts each weight to fp16 and back).
-    Amp {
-        level: OptLevel,
-        dtype: Option<Kind>,
-        kernels: CpuKernels,
-        full_size: bool,
-        three_pass: bool,
-        no_copies: bool,
-    },
+    /// fused Adam in three passes instead of one; `copies`: O1 with its rounded weight copies
+    /// on (written by the fused Adam step, read by the next forward).
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool, three_pass: bool, copies: bool },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }
@@ -384,7 +377,7 @@ impl Config {
             Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
-            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass, no_copies } => {
+            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass, copies } => {
                 let how = if cuda {
                     String::new()
                 } else {
@@ -396,8 +389,8 @@ impl Config {
                     ", full-size master grads"
                 } else if *three_pass {
                     ", three-pass step"
-                } else if *no_copies {
-                    ", no weight copies"
+                } else if *copies {
+                    ", weight copies"
                 } else {
                     ""
                 };
@@ -444,6 +437,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
         kernels: CpuKernels::Auto,
         full_size: false,
         three_pass: false,
+        copies: false,
     });
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
@@ -459,7 +453,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                     kernels,
                     full_size: false,
                     three_pass: false,
-                    no_copies: false,
+                    copies: false,
                 });
                 if args.compare_full_size && level == OptLevel::O2 {
                     v.push(Config::Amp {
@@ -468,7 +462,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                         kernels,
                         full_size: true,
                         three_pass: false,
-                        no_copies: false,
+                        copies: false,
                     });
                 }
                 if args.compare_three_pass && level == OptLevel::O2 {
@@ -478,7 +472,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                         kernels,
                         full_size: false,
                         three_pass: true,
-                        no_copies: false,
+                        copies: false,
                     });
                 }
                 if args.compare_weight_copies && level == OptLevel::O1 && kernels == CpuKernels::Emulate {
@@ -488,7 +482,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                         kernels,
                         full_size: false,
                         three_pass: false,
-                        no_copies: true,
+                        copies: true,
                     });
                 }
             }
@@ -658,7 +652,7 @@ enum Runner {
         cfg: Box<AmpConfig>,
         full_size: bool,
         three_pass: bool,
-        no_copies: bool,
+        copies: bool,
         vs: VarStore,
         net: Option<Net>,
         session: Option<Box<AmpSession>>,
@@ -689,25 +683,25 @@ impl Bench {
                 let opt = HandOpt::new(&self.args, &vs);
                 Runner::Loop { net, _vs: vs, opt, tf32 }
             }
-            Config::Amp { full_size, three_pass, no_copies, .. } => {
+            Config::Amp { full_size, three_pass, copies, .. } => {
                 let net = build(w, &vs);
                 let cfg = c.amp_config().expect("an Amp config");
-                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, no_copies, vs, net: Some(net), session: None }
+                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, copies, vs, net: Some(net), session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
 
     fn begin_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { cfg, full_size, three_pass, no_copies, vs, net, session } = r {
+        if let Runner::Amp { cfg, full_size, three_pass, copies, vs, net, session } = r {
             if *full_size {
                 self.saved_slice.set(diagnostics::set_master_grad_slice(0));
             }
             if *three_pass {
                 diagnostics::set_o2_single_pass(false);
             }
-            if *no_copies {
-                diagnostics::set_o1_weight_copies(false)?;
+            if *copies {
+                diagnostics::set_o1_weight_copies(true)?;
             }
             let amp = Amp::new(cfg)?;
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
@@ -721,7 +715,7 @@ impl Bench {
     }
 
     fn end_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { net, session, full_size, three_pass, no_copies, .. } = r {
+        if let Runner::Amp { net, session, full_size, three_pass, copies, .. } = r {
             if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
                 drop(opt);
                 *net = Some(model.into_inner());
@@ -733,8 +727,8 @@ impl Bench {
             if *three_pass {
                 diagnostics::set_o2_single_pass(true);
             }
-            if *no_copies {
-                diagnostics::set_o1_weight_copies(true)?;
+            if *copies {
+                diagnostics::set_o1_weight_copies(false)?;
             }
         }
         diagnostics::set_allow_tf32(false)?;
@@ -1006,7 +1000,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
         kernels,
         full_size: false,
         three_pass: false,
-        no_copies: false,
+        copies: false,
     };
     let mut r = bench.make_runner(w, c)?;
     let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -1209,8 +1203,8 @@ fn main() -> Result<()> {
         }
     );
     println!(
-        "- O1 with emulation: weights used once per forward rounded by one node, from copies the fused \
-         Adam/AdamW step writes (tch_amp::diagnostics::O1WeightCopies); fp16 rounding: {}",
+        "- O1 with emulation: weights used once per forward rounded by one node (rounded weight copies \
+         off unless a row says so); fp16 rounding: {}",
         if diagnostics::o1_rounding_vectorized()? { "vector (F16C)" } else { "portable loop" }
     );
     println!(

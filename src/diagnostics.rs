@@ -220,17 +220,19 @@ pub fn o2_single_pass_form(adamw: bool) -> Result<Option<String>> {
     }))
 }
 
-/// O1's rounded weight copies (CPU emulation), as [`o1_weight_copies`] reports them.
+/// O1's rounding of weights for emulated ops (CPU emulation), as [`o1_weight_copies`] reports it.
 ///
 /// Under O1 with CPU emulation every fp32 weight of an emulated GEMM or convolution enters it as
 /// the fp32 tensor of its fp16 (bf16) values. A weight that the previous forward (the previous
 /// `scale_loss`) used exactly once gets that tensor from one rounding node, whose backward
-/// rounds the gradient once, instead of a cast to fp16 and a conversion back each way; tch-amp's
-/// fused Adam/AdamW (`OptimizerConfig::fused(true)`) writes it in the same pass as the update,
-/// so the forward reads it as it is. The values, forward and backward, are the two casts' bit
-/// for bit; a weight used again in the same forward has its rounding node rewired into a cast,
-/// so that the gradients of its uses still add up in fp16, as under Apex. The copies cost 4
-/// bytes per weight element between steps (and replace the 6 bytes of casts a forward made).
+/// rounds the gradient once, instead of a cast to fp16 and a conversion back each way; the
+/// values, forward and backward, are the two casts' bit for bit, and a weight used again in the
+/// same forward has its node rewired into a cast, so that the gradients of its uses still add up
+/// in fp16, as under Apex. With [`set_o1_weight_copies`] on (off by default), tch-amp's fused
+/// Adam/AdamW (`OptimizerConfig::fused(true)`) also writes each such weight's rounded values in
+/// the same pass as its update, and the next forward reads them instead of rounding: 4 more
+/// bytes per weight element kept between steps, for a gain the benchmark did not show on a
+/// 2-core machine (BENCHMARKS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct O1WeightCopies {
     /// Copies kept now.
@@ -247,10 +249,10 @@ pub struct O1WeightCopies {
     pub demoted: u64,
 }
 
-/// Turns O1's rounded weight copies ([`O1WeightCopies`]) on or off (process-wide; on by default)
-/// and returns the previous setting. Off, every weight takes the cast to fp16 and the
-/// conversion back in every forward, and no copy is kept (turning off drops them). The
-/// results are the same bits either way.
+/// Turns O1's rounded weight copies ([`O1WeightCopies`]) on or off (process-wide; off by
+/// default) and returns the previous setting. Off, no copy is written and those kept are
+/// dropped; weights used once still take one rounding node. The results are the same bits
+/// either way.
 ///
 /// # Errors
 /// [`AmpError::Shim`] if the shim fails (not expected).

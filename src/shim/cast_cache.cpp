@@ -170,7 +170,7 @@ at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low) {
 // Ends a cache lifetime (Apex's: each scale_loss exit): tells the copy registry how each fp32
 // weight rounded to fp16/bf16 was used, then empties the cache.
 void cache_clear() {
-  if (weight_copies::enabled()) {
+  {
     std::vector<weight_copies::Use> uses;
     for (const auto& [key, e] : tls_cache) {
       if (!is_low(key.to)) continue;

@@ -6,6 +6,7 @@
 #include "amp_shim.h"
 #include "weight_copies.h"
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -34,7 +35,8 @@ Registry& registry() {
   return *r;
 }
 
-std::atomic<bool> on{true};
+// Off by default: measured, the copies did not pay for their memory (BENCHMARKS.md).
+std::atomic<bool> on{false};
 // Per thread: a forward runs on its caller's thread.
 thread_local int64_t served = 0, rounded = 0, demoted = 0;
 
@@ -47,16 +49,19 @@ bool usable(const at::Tensor& w) {
 bool set_enabled(bool v) {
   const bool prev = on.exchange(v);
   if (!v) {
+    // The copies go; the record of uses stays (the rounding nodes do not depend on copies).
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
-    r.entries.clear();
+    for (auto& [impl, e] : r.entries) {
+      e.has_copy = false;
+      e.copy = at::Tensor();
+    }
   }
   return prev;
 }
 bool enabled() { return on.load(std::memory_order_relaxed); }
 
 void note_uses(const std::vector<Use>& uses) {
-  if (!enabled()) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (const Use& u : uses) {
@@ -79,7 +84,7 @@ void note_uses(const std::vector<Use>& uses) {
 }
 
 bool single_use(const at::Tensor& w, at::ScalarType low) {
-  if (!enabled() || !usable(w)) return false;
+  if (!usable(w)) return false;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.entries.find(w.unsafeGetTensorImpl());

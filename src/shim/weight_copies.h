@@ -14,8 +14,8 @@
 
 namespace tch_amp::weight_copies {
 
-// The process-wide switch (on by default); returns the previous setting. Off, every weight takes
-// the two casts and no copy is written or kept.
+// The process-wide switch for the copies (off by default); returns the previous setting. Off, no
+// copy is written or kept; weights used once still get one rounding node, made in the forward.
 bool set_enabled(bool on);
 bool enabled();
 
