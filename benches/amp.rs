@@ -447,43 +447,23 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
             }
             for kernels in kernels {
-                v.push(Config::Amp {
+                let amp = |full_size, three_pass, copies| Config::Amp {
                     level,
                     dtype: Some(k),
                     kernels,
-                    full_size: false,
-                    three_pass: false,
-                    copies: false,
-                });
+                    full_size,
+                    three_pass,
+                    copies,
+                };
+                v.push(amp(false, false, false));
                 if args.compare_full_size && level == OptLevel::O2 {
-                    v.push(Config::Amp {
-                        level,
-                        dtype: Some(k),
-                        kernels,
-                        full_size: true,
-                        three_pass: false,
-                        copies: false,
-                    });
+                    v.push(amp(true, false, false));
                 }
                 if args.compare_three_pass && level == OptLevel::O2 {
-                    v.push(Config::Amp {
-                        level,
-                        dtype: Some(k),
-                        kernels,
-                        full_size: false,
-                        three_pass: true,
-                        copies: false,
-                    });
+                    v.push(amp(false, true, false));
                 }
                 if args.compare_weight_copies && level == OptLevel::O1 && kernels == CpuKernels::Emulate {
-                    v.push(Config::Amp {
-                        level,
-                        dtype: Some(k),
-                        kernels,
-                        full_size: false,
-                        three_pass: false,
-                        copies: true,
-                    });
+                    v.push(amp(false, false, true));
                 }
             }
         }

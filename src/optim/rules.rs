@@ -490,7 +490,7 @@ impl UpdateRule for BuiltinRule {
                         let step = Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?;
                         // O1 with CPU emulation: the update that also writes the weight's rounded
                         // copy for the next forward, where O1 wants one (the same bits).
-                        if let Some(h) = FusedAdamHyper::of(algorithm, maximize) {
+                        if let (tch::Device::Cpu, Some(h)) = (p.device(), FusedAdamHyper::of(algorithm, maximize)) {
                             let t = sys::O1AdamTensors {
                                 param: p,
                                 grad: &grad,
@@ -499,7 +499,7 @@ impl UpdateRule for BuiltinRule {
                                 max_exp_avg_sq: max_exp_avg_sq.as_ref(),
                                 step: &step,
                             };
-                            if p.device() == tch::Device::Cpu && sys::o1_fused_adam_(&t, lr, h)? {
+                            if sys::o1_fused_adam_(&t, lr, h)? {
                                 continue;
                             }
                         }

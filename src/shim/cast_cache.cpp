@@ -167,20 +167,16 @@ at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low) {
   return round_through(t, low);
 }
 
-// Ends a cache lifetime (Apex's: each scale_loss exit): tells the copy registry how each fp32
-// weight rounded to fp16/bf16 was used, then empties the cache.
+// Ends a cache lifetime (Apex's: each scale_loss exit): tells the registry how each fp32 weight
+// rounded to fp16/bf16 was used (weight_copies.h), then empties the cache.
 void cache_clear() {
-  {
-    std::vector<weight_copies::Use> uses;
-    for (const auto& [key, e] : tls_cache) {
-      if (!is_low(key.to)) continue;
-      if (e.source.expired()) continue;
-      const at::Tensor w(e.source.lock());
-      if (w.scalar_type() != at::kFloat) continue;
-      uses.push_back(weight_copies::Use{w, key.to, e.uses == 1 && !e.other_use});
-    }
-    if (!uses.empty()) weight_copies::note_uses(uses);
+  std::vector<weight_copies::Use> uses;
+  for (const auto& [key, e] : tls_cache) {
+    if (!is_low(key.to) || e.source.expired()) continue;
+    const at::Tensor w(e.source.lock());
+    if (w.scalar_type() == at::kFloat) uses.push_back(weight_copies::Use{w, key.to, e.uses == 1 && !e.other_use});
   }
+  if (!uses.empty()) weight_copies::note_uses(uses);
   tls_cache.clear();
 }
 size_t cache_len() { return tls_cache.size(); }

@@ -276,6 +276,47 @@ std::optional<Form> form_for(bool adamw) {
 }
 #endif
 
+#ifdef TCH_AMP_X86
+// Whether `t` is a contiguous strided CPU tensor of type `type` and `n` elements.
+bool fits(const at::Tensor* t, at::ScalarType type, int64_t n) {
+  return t != nullptr && t->defined() && t->is_cpu() && t->layout() == at::kStrided && t->is_contiguous() &&
+         t->scalar_type() == type && t->numel() == n;
+}
+
+// The tensors one single-pass update reads and writes besides the weight it rounds into.
+struct Tensors {
+  at::Tensor *grad, *master, *exp_avg, *exp_avg_sq, *max_exp_avg_sq, *step;
+
+  // The gradient of `grad_type`, the fp32 master and its state, all contiguous CPU tensors of
+  // as many elements (max_exp_avg_sq with amsgrad only), a CPU step.
+  bool fit(const tch_amp_adam_scalars& h, at::ScalarType grad_type) const {
+    const int64_t n = master->numel();
+    return fits(grad, grad_type, n) && fits(master, at::kFloat, n) && fits(exp_avg, at::kFloat, n) &&
+           fits(exp_avg_sq, at::kFloat, n) && (h.amsgrad == 0 || fits(max_exp_avg_sq, at::kFloat, n)) &&
+           step->is_cpu();
+  }
+
+  // The single pass with form `f`, rounding the master into `w` (`low`: what an fp32 `w`
+  // holds the values rounded to); then the version counters of everything written through
+  // data pointers move, as an in-place op's do.
+  void update(const at::Tensor& w, at::ScalarType low, const Form& f, float inv, const tch_amp_adam_scalars& h) const {
+    const bool amsgrad = h.amsgrad != 0;
+    c10::AutoGradMode no_grad(false);
+    Update u{w.detach().view(-1),
+             grad->detach().view(-1),
+             master->detach().view(-1),
+             exp_avg->detach().view(-1),
+             exp_avg_sq->detach().view(-1),
+             amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
+             step->detach()};
+    u.low = low;
+    fused_update(u, f, inv, h);
+    for (const at::Tensor& t : {w, *master, *exp_avg, *exp_avg_sq}) t.unsafeGetTensorImpl()->bump_version();
+    if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
+  }
+};
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -292,31 +333,14 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
   TCH_AMP_PROTECT({
     *applied = 0;
 #ifdef TCH_AMP_X86
-    const bool amsgrad = h->amsgrad != 0, adamw = h->adamw != 0;
-    const int64_t n = master->numel();
-    auto ok = [n](const at::Tensor* t, at::ScalarType s) {
-      return t != nullptr && t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == s &&
-             t->numel() == n;
-    };
-    if (!ok(model, at::kHalf) || !ok(grad, at::kHalf) || !ok(master, at::kFloat) || !ok(exp_avg, at::kFloat) ||
-        !ok(exp_avg_sq, at::kFloat) || (amsgrad && !ok(max_exp_avg_sq, at::kFloat)) || !inv_scale->is_cpu() ||
-        inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat || !step->is_cpu()) {
+    const Tensors t{grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, step};
+    if (!t.fit(*h, at::kHalf) || !fits(model, at::kHalf, master->numel()) || !inv_scale->is_cpu() ||
+        inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat) {
       return nullptr;
     }
-    const std::optional<Form> form = form_for(adamw);
+    const std::optional<Form> form = form_for(h->adamw != 0);
     if (!form.has_value()) return nullptr;
-    c10::AutoGradMode no_grad(false);
-    const Update u{model->detach().view(-1),
-                   grad->detach().view(-1),
-                   master->detach().view(-1),
-                   exp_avg->detach().view(-1),
-                   exp_avg_sq->detach().view(-1),
-                   amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
-                   step->detach()};
-    fused_update(u, *form, inv_scale->item<float>(), *h);
-    // Written through their data pointers: their version counters move as an in-place op's do.
-    for (at::Tensor* t : {model, master, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
-    if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
+    t.update(*model, at::kHalf, *form, inv_scale->item<float>(), *h);
     *applied = 1;
 #endif
   })
@@ -335,38 +359,18 @@ char* tch_amp_o1_fused_adam_(at::Tensor* param, at::Tensor* grad, at::Tensor* ex
   TCH_AMP_PROTECT({
     *applied = 0;
 #ifdef TCH_AMP_X86
-    const bool amsgrad = h->amsgrad != 0, adamw = h->adamw != 0;
-    const int64_t n = param->numel();
-    auto ok = [n](const at::Tensor* t) {
-      return t != nullptr && t->defined() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
-             t->numel() == n && t->layout() == at::kStrided;
-    };
-    if (!ok(param) || !ok(grad) || !ok(exp_avg) || !ok(exp_avg_sq) || (amsgrad && !ok(max_exp_avg_sq)) ||
-        !step->is_cpu()) {
-      return nullptr;
-    }
-    if (!tch_amp::cpu_has_avx2_fma_f16c()) return nullptr;
-    const std::optional<Form> form = form_for(adamw);
+    // Copies off (the default): one atomic load per parameter, nothing else.
+    if (!tch_amp::weight_copies::enabled()) return nullptr;
+    const Tensors t{grad, param, exp_avg, exp_avg_sq, max_exp_avg_sq, step};
+    if (!t.fit(*h, at::kFloat)) return nullptr;
+    const std::optional<Form> form = form_for(h->adamw != 0);
     if (!form.has_value()) return nullptr;
     auto want = tch_amp::weight_copies::wanted(*param);
     if (!want.has_value()) return nullptr;
     const auto [low, copy] = *want;
     // The copy's vector stores are aligned ones (libtorch's CPU allocator aligns to 64 bytes).
     if (reinterpret_cast<uintptr_t>(copy.data_ptr()) % 32 != 0) return nullptr;
-    c10::AutoGradMode no_grad(false);
-    Update u{copy.view(-1),
-             grad->detach().view(-1),
-             param->detach().view(-1),
-             exp_avg->detach().view(-1),
-             exp_avg_sq->detach().view(-1),
-             amsgrad ? max_exp_avg_sq->detach().view(-1) : at::Tensor(),
-             step->detach()};
-    u.low = low;
-    fused_update(u, *form, 1.0f, *h);
-    // Written through their data pointers: their version counters move as an in-place op's do.
-    for (at::Tensor* t : {param, exp_avg, exp_avg_sq}) t->unsafeGetTensorImpl()->bump_version();
-    if (amsgrad) max_exp_avg_sq->unsafeGetTensorImpl()->bump_version();
-    copy.unsafeGetTensorImpl()->bump_version();
+    t.update(copy, low, *form, 1.0f, *h);
     tch_amp::weight_copies::store(*param, low, copy);
     *applied = 1;
 #endif

@@ -44,6 +44,14 @@ bool usable(const at::Tensor& w) {
   return w.defined() && w.is_cpu() && w.scalar_type() == at::kFloat && w.layout() == at::kStrided;
 }
 
+// `w`'s entry when it holds a copy written at `w`'s current version (the lock held).
+const Entry* current_entry(Registry& r, const at::Tensor& w) {
+  auto it = r.entries.find(w.unsafeGetTensorImpl());
+  if (it == r.entries.end()) return nullptr;
+  const Entry& e = it->second;
+  return e.has_copy && e.version == w._version() && e.copy.sizes().equals(w.sizes()) ? &e : nullptr;
+}
+
 }  // namespace
 
 bool set_enabled(bool v) {
@@ -95,14 +103,10 @@ at::Tensor lookup(const at::Tensor& w, at::ScalarType low) {
   if (!enabled() || !usable(w)) return at::Tensor();
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.entries.find(w.unsafeGetTensorImpl());
-  if (it == r.entries.end()) return at::Tensor();
-  const Entry& e = it->second;
-  if (!e.has_copy || e.low != low || e.version != w._version() || !e.copy.sizes().equals(w.sizes())) {
-    return at::Tensor();
-  }
+  const Entry* e = current_entry(r, w);
+  if (e == nullptr || e->low != low) return at::Tensor();
   ++served;
-  return e.copy;
+  return e->copy;
 }
 
 std::optional<std::pair<at::ScalarType, at::Tensor>> wanted(const at::Tensor& w) {
@@ -140,9 +144,8 @@ at::Tensor current(const at::Tensor& w) {
   if (!usable(w)) return at::Tensor();
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.entries.find(w.unsafeGetTensorImpl());
-  if (it == r.entries.end() || !it->second.has_copy || it->second.version != w._version()) return at::Tensor();
-  return it->second.copy.detach();
+  const Entry* e = current_entry(r, w);
+  return e != nullptr ? e->copy.detach() : at::Tensor();
 }
 
 void note_demoted() { ++demoted; }

@@ -86,27 +86,34 @@ fn read_only_check_flags_what_libtorch_flags() {
     assert_eq!(flag.double_value(&[0]), 1.0);
 }
 
-/// An O2 model whose parameters have sizes that are and are not multiples of 8 and 16 (the
-/// vector widths), so the single pass's vector part and libtorch's tail both run.
+/// A model whose parameters have sizes that are and are not multiples of 8 and 16 (the
+/// vector widths), so the single pass's vector part and libtorch's tail both run. Its values
+/// come from no RNG: the tests of this binary run in parallel threads that share libtorch's.
 fn model(vs: &VarStore) -> nn::Sequential {
     let r = vs.root();
-    nn::seq()
+    let net = nn::seq()
         .add(nn::linear(&r / "l1", 37, 96, Default::default()))
         .add_fn(|x| x.relu())
         .add(nn::linear(&r / "l2", 96, 13, Default::default()))
         .add_fn(|x| x.tanh())
-        .add(nn::linear(&r / "l3", 13, 5, Default::default()))
+        .add(nn::linear(&r / "l3", 13, 5, Default::default()));
+    crate::common::deterministic_init(vs);
+    net
+}
+
+/// A batch of 16 for `model`, from `seed` without the RNG.
+fn inputs(seed: i64) -> (Tensor, Tensor) {
+    let t = |len: i64, k: f64| (Tensor::arange(len, (Kind::Float, Device::Cpu)) * k + seed as f64).sin() * 1.7;
+    (t(16 * 37, 0.731).reshape([16, 37]), t(16 * 5, 1.37).reshape([16, 5]))
 }
 
 /// Trains 6 O2 steps (loss scale 1024, so gradients are unscaled by 2^-10) and returns every
 /// master's and model weight's bits, and each optimizer state tensor's.
 fn train(cfg: OptimizerConfig, single_pass: bool) -> Vec<(String, Vec<u8>)> {
     let previous = set_o2_single_pass(single_pass);
-    tch::manual_seed(7);
     let vs = VarStore::new(Device::Cpu);
     let net = model(&vs);
-    let x = Tensor::randn([16, 37], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([16, 5], (Kind::Float, Device::Cpu));
+    let (x, y) = inputs(7);
     let (net, mut opt, mut amp) =
         initialize(&vs, net, cfg, 3e-3, &AmpConfig::new(OptLevel::O2).loss_scale(1024.0).verbosity(0)).unwrap();
     for _ in 0..6 {
@@ -195,11 +202,9 @@ fn bad_inputs_to_the_gradient_kernels_are_errors_not_crashes() {
 fn train_o1(cfg: OptimizerConfig, copies: bool) -> (Vec<(String, Vec<u8>)>, u64) {
     let previous = set_o1_weight_copies(copies).unwrap();
     let served_before = o1_weight_copies().unwrap().served;
-    tch::manual_seed(11);
     let vs = VarStore::new(Device::Cpu);
     let net = model(&vs);
-    let x = Tensor::randn([16, 37], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([16, 5], (Kind::Float, Device::Cpu));
+    let (x, y) = inputs(11);
     let amp_cfg = AmpConfig::new(OptLevel::O1).cpu_kernels(CpuKernels::Emulate).verbosity(0);
     let (net, mut opt, mut amp) = initialize(&vs, net, cfg, 3e-3, &amp_cfg).unwrap();
     for step in 0..6 {
