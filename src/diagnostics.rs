@@ -247,6 +247,11 @@ pub struct O1WeightCopies {
     /// Weights the calling thread gave a rounding node that the same forward used again
     /// (rewired into a cast).
     pub demoted: u64,
+    /// Gradients the calling thread's backward passes rounded in place (the backward of a
+    /// weight's or an activation's rounding node, when nothing else can see the gradient's
+    /// memory: no second reference to it, no create_graph); the others are rounded into a
+    /// new tensor, the same values.
+    pub gradients_in_place: u64,
 }
 
 /// Turns O1's rounded weight copies ([`O1WeightCopies`]) on or off (process-wide; off by
@@ -265,7 +270,7 @@ pub fn set_o1_weight_copies(on: bool) -> Result<bool> {
 /// # Errors
 /// [`AmpError::Shim`] if the shim fails (not expected).
 pub fn o1_weight_copies() -> Result<O1WeightCopies> {
-    let [copies, bytes, served, rounded, demoted] = crate::sys::cast::weight_copies_stats()?;
+    let [copies, bytes, served, rounded, demoted, in_place] = crate::sys::cast::weight_copies_stats()?;
     let u = |v: i64| v.max(0) as u64;
     Ok(O1WeightCopies {
         copies: u(copies),
@@ -273,6 +278,7 @@ pub fn o1_weight_copies() -> Result<O1WeightCopies> {
         served: u(served),
         rounded: u(rounded),
         demoted: u(demoted),
+        gradients_in_place: u(in_place),
     })
 }
 

@@ -8,6 +8,7 @@
 // (cast_cache.cpp).
 #include "amp_shim.h"
 #include "cast_policy.h"
+#include "weight_copies.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -55,23 +56,52 @@ void round_bf16(const float* in, float* out, int64_t n) {
   }
 }
 
-// fp32(low(x)) for an fp32 tensor: one pass for a contiguous CPU tensor, else libtorch's casts.
-at::Tensor round_kernel(const at::Tensor& x, at::ScalarType low) {
-  if (!(x.is_cpu() && x.is_contiguous() && x.scalar_type() == at::kFloat && x.layout() == at::kStrided)) {
-    return x.to(low).to(at::kFloat);
-  }
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const float* in = x.const_data_ptr<float>();
-  float* o = out.data_ptr<float>();
+bool one_pass(const at::Tensor& x) {
+  return x.is_cpu() && x.is_contiguous() && x.scalar_type() == at::kFloat && x.layout() == at::kStrided;
+}
+
+// Rounds `n` floats from `in` into `out` (which may be `in`), on libtorch's threads.
+void round_into(const float* in, float* out, int64_t n, at::ScalarType low) {
   const bool half = low == at::kHalf;
-  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
     if (half) {
-      round_half(in + b, o + b, e - b);
+      round_half(in + b, out + b, e - b);
     } else {
-      round_bf16(in + b, o + b, e - b);
+      round_bf16(in + b, out + b, e - b);
     }
   });
+}
+
+// fp32(low(x)) for an fp32 tensor: one pass for a contiguous CPU tensor, else libtorch's casts.
+at::Tensor round_kernel(const at::Tensor& x, at::ScalarType low) {
+  if (!one_pass(x)) return x.to(low).to(at::kFloat);
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  round_into(x.const_data_ptr<float>(), out.data_ptr<float>(), x.numel(), low);
   return out;
+}
+
+// Whether nothing but `g` can see its memory: the only reference to its TensorImpl and its
+// storage, or a view whose base (held by the view alone) is the storage's only other holder.
+// Gradients that reach a weight usually are such views (a transpose, a reshape of a sum).
+bool unshared(const at::Tensor& g) {
+  if (g.use_count() != 1) return false;
+  const auto holders = g.storage().use_count();
+  if (!g.is_view()) return holders == 1;
+  const at::TensorBase& base = g._base();  // the view's own reference
+  return holders == 2 && base.use_count() == 1 && base.storage().is_alias_of(g.storage());
+}
+
+// A gradient handed to a backward: rounded in place when nothing else can see it (see
+// `unshared`; never inside a differentiable backward), else into a new tensor. In place it is
+// read and written once, with no new memory.
+at::Tensor round_gradient(const at::Tensor& g, at::ScalarType low) {
+  if (one_pass(g) && !c10::GradMode::is_enabled() && !g.requires_grad() && !g.is_inference() && unshared(g)) {
+    float* p = g.data_ptr<float>();
+    round_into(p, p, g.numel(), low);
+    weight_copies::note_rounded_in_place();
+    return g;
+  }
+  return round_kernel(g.scalar_type() == at::kFloat ? g : g.to(at::kFloat), low);
 }
 
 struct RoundThrough : public torch::autograd::Function<RoundThrough> {
@@ -80,13 +110,16 @@ struct RoundThrough : public torch::autograd::Function<RoundThrough> {
     return round_kernel(x, static_cast<at::ScalarType>(low));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 const torch::autograd::variable_list& grads) {
     const int64_t low = ctx->saved_data["low"].toInt();
     const at::Tensor& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    // The pair's backward: the gradient rounded to `low` and back (an fp32 gradient here).
-    const at::Tensor g32 = g.scalar_type() == at::kFloat ? g : g.to(at::kFloat);
-    return {RoundThrough::apply(g32, low), at::Tensor()};
+    // The pair's backward: the gradient rounded to `low` and back (an fp32 gradient here),
+    // differentiable again under create_graph.
+    if (c10::GradMode::is_enabled()) {
+      return {RoundThrough::apply(g.scalar_type() == at::kFloat ? g : g.to(at::kFloat), low), at::Tensor()};
+    }
+    return {round_gradient(g, static_cast<at::ScalarType>(low)), at::Tensor()};
   }
 };
 
@@ -104,12 +137,13 @@ struct RoundWeight : public torch::autograd::Function<RoundWeight> {
     if (copy != nullptr && copy->defined()) return copy->detach();
     return round_kernel(w.detach(), static_cast<at::ScalarType>(low));
   }
+  // `grads` by reference: the engine's list is then the only owner of an unshared gradient,
+  // which round_gradient may then round in place.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 const torch::autograd::variable_list& grads) {
     const auto low = static_cast<at::ScalarType>(ctx->saved_data["low"].toInt());
-    const at::Tensor& g = grads[0];
-    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    return {round_kernel(g.scalar_type() == at::kFloat ? g : g.to(at::kFloat), low), at::Tensor(), at::Tensor()};
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    return {round_gradient(grads[0], low), at::Tensor(), at::Tensor()};
   }
 };
 

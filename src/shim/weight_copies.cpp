@@ -38,7 +38,7 @@ Registry& registry() {
 // Off by default: measured, the copies did not pay for their memory (BENCHMARKS.md).
 std::atomic<bool> on{false};
 // Per thread: a forward runs on its caller's thread.
-thread_local int64_t served = 0, rounded = 0, demoted = 0;
+thread_local int64_t served = 0, rounded = 0, demoted = 0, in_place = 0;
 
 bool usable(const at::Tensor& w) {
   return w.defined() && w.is_cpu() && w.scalar_type() == at::kFloat && w.layout() == at::kStrided;
@@ -150,6 +150,7 @@ at::Tensor current(const at::Tensor& w) {
 
 void note_demoted() { ++demoted; }
 void note_rounded() { ++rounded; }
+void note_rounded_in_place() { ++in_place; }
 
 Stats stats() {
   Stats s;
@@ -166,6 +167,7 @@ Stats stats() {
   s.served = served;
   s.rounded = rounded;
   s.demoted = demoted;
+  s.in_place = in_place;
   return s;
 }
 
@@ -191,7 +193,7 @@ char* tch_amp_o1_weight_copy(at::Tensor* w, at::Tensor** out) {
 
 // out[0] copies kept, [1] their bytes; on the calling thread: [2] forward uses served from a
 // copy, [3] forward uses given one rounding node without a copy, [4] weights given one that
-// the same forward used again.
+// the same forward used again, [5] gradients its backward rounded in place.
 char* tch_amp_o1_weight_copies_stats(int64_t* out) {
   TCH_AMP_PROTECT({
     const Stats s = stats();
@@ -200,6 +202,7 @@ char* tch_amp_o1_weight_copies_stats(int64_t* out) {
     out[2] = s.served;
     out[3] = s.rounded;
     out[4] = s.demoted;
+    out[5] = s.in_place;
   })
 }
 

@@ -57,8 +57,11 @@ struct Stats {
   int64_t served = 0;   // forward uses served from a copy
   int64_t rounded = 0;  // forward uses given one rounding node without a copy
   int64_t demoted = 0;  // weights given one that the same forward used again
+  int64_t in_place = 0; // gradients rounded in place by a rounding node's backward
 };
 Stats stats();
 void note_rounded();
+// A rounding node's backward rounded its gradient in place (round_through.cpp).
+void note_rounded_in_place();
 
 }  // namespace tch_amp::weight_copies

@@ -249,10 +249,11 @@ pub(crate) fn set_weight_copies(on: bool) -> Result<bool> {
 }
 
 /// O1's rounded weight copies: [copies kept, their bytes, forward uses served from a copy,
-/// uses given one rounding node without a copy, weights used again after that].
-pub(crate) fn weight_copies_stats() -> Result<[i64; 5]> {
-    let mut out = [0i64; 5];
-    // SAFETY: `out` has the 5 slots the shim writes.
+/// uses given one rounding node without a copy, weights used again after that, gradients
+/// rounded in place].
+pub(crate) fn weight_copies_stats() -> Result<[i64; 6]> {
+    let mut out = [0i64; 6];
+    // SAFETY: `out` has the 6 slots the shim writes.
     check(unsafe { tch_amp_o1_weight_copies_stats(out.as_mut_ptr()) }, "o1_weight_copies_stats")?;
     Ok(out)
 }

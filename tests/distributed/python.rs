@@ -74,5 +74,7 @@ fn rust_rank_and_python_rank_train_together() {
         assert!(opt.step().unwrap().stepped());
         check(&pg, step, "weight", order.iter().map(|n| (*n, vars[*n].shallow_clone())));
     }
+    // The Python rank's barrier before it destroys its group.
+    pg.barrier().expect("the final barrier with the Python rank");
     peer.expect_success(PEER_DEADLINE);
 }

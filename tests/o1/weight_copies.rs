@@ -125,3 +125,44 @@ fn weights_used_once_take_one_rounding_node_with_the_casts_bits_and_a_second_use
     }
     assert!(discriminating, "the data never tells fp16 from fp32 accumulation of the weight's gradients");
 }
+
+/// The backward of O1's rounding nodes (a weight's, an activation's) rounds the gradient in
+/// place when nothing else can see its memory, and into a new tensor otherwise, here under
+/// create_graph (a differentiable backward, which must not write into its inputs): the same
+/// bits either way, and the per-thread counter tells which path ran.
+#[test]
+fn rounding_nodes_round_unshared_gradients_in_place_with_the_bits_of_a_new_tensor() {
+    let handle = apex_with(CastSettings::default().cpu_kernels(CpuKernels::Emulate));
+    let w = (det(&[24, 16], 1.1) * 0.7).set_requires_grad(true);
+    let b = (det(&[24], 2.0) * 0.1).set_requires_grad(true);
+    let x0 = det(&[9, 16], 0.3);
+    let upstream = det(&[9, 24], 0.9) * 3e3;
+    // One forward and backward; the gradients of x, w and b and how many were rounded in place.
+    let step = |create_graph: bool| -> (Vec<Tensor>, u64) {
+        let before = o1_weight_copies().unwrap().gradients_in_place;
+        let x = x0.copy().set_requires_grad(true);
+        // `a` is an activation (not a leaf): its rounding node is round_through's.
+        let y = handle.run(Device::Cpu, || (&x * 1.5).linear(&w, Some(&b))).unwrap();
+        let loss = (y.to_kind(Kind::Float) * &upstream).sum(Kind::Float);
+        let grads = Tensor::run_backward(&[loss], &[&x, &w, &b], false, create_graph);
+        (grads, o1_weight_copies().unwrap().gradients_in_place - before)
+    };
+    // The first forward records that w and b are used once (they take casts now); the
+    // activation's rounding node already rounds its gradient in place.
+    let (_, first) = step(false);
+    assert_eq!(first, 1, "the activation's gradient rounded in place");
+    let (in_place, n) = step(false);
+    assert_eq!(n, 3, "the activation's, w's and b's gradients rounded in place");
+    let (fresh, n) = step(true);
+    assert_eq!(n, 0, "a differentiable backward rounds into new tensors");
+    for (i, (a, b)) in in_place.iter().zip(&fresh).enumerate() {
+        assert!(same_bits(a, &b.detach()), "gradient {i}: in place and into a new tensor differ");
+    }
+    // The rounding did happen: the weight's gradient holds fp16 values, which its fp32 product
+    // (the output's fp16 gradient times the fp16 activation) does not.
+    let r = |t: &Tensor| t.to_kind(Kind::Half).to_kind(Kind::Float);
+    let unrounded = r(&upstream).tr().matmul(&r(&(&x0 * 1.5)));
+    assert!(same_bits(&in_place[1], &r(&in_place[1])));
+    assert!(!same_bits(&unrounded, &r(&unrounded)), "the data must have gradients that fp16 rounds");
+    assert!(same_bits(&in_place[1], &r(&unrounded)));
+}
