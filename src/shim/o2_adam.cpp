@@ -49,6 +49,8 @@ struct Form {
 struct Scalars {
   float inv, wd, decay, lerp_w, lerp_w_minus_1, b2, c2, bc2_sqrt, eps, neg_step_size;
   bool small_lerp, maximize, amsgrad, adamw, has_wd;
+  // The fp16 model weight is 16-byte aligned: its stores may be streamed (see adam_8).
+  bool stream_half;
 };
 
 Scalars make_scalars(float inv, double step, const tch_amp_adam_scalars& h) {
@@ -147,7 +149,14 @@ __attribute__((target("avx2,fma,f16c"))) void adam_8(const void* gp, float* p, f
     _mm256_storeu_ps(p + i, pv);
     const __m128i h = _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     if (IO == kIoHalf) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i), h);
+      // Streamed: nothing reads the model weight before the next forward, by when it has left
+      // the caches anyway, and a normal store would first read its line from memory (measured:
+      // the MLP's O2 step 0.1 ms faster).
+      if (s.stream_half) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(w16 + i), h);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i), h);
+      }
     } else if (IO == kIoRoundHalf) {
       // The copy is read by the next forward, not here: streamed past the caches (64-byte
       // aligned: libtorch's CPU allocator aligns to 64 and blocks start at multiples of 64).
@@ -209,7 +218,7 @@ void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_
   const int64_t n = u.p.numel();
   const int64_t nvec = n - n % f.width;
   const bool amsgrad = h.amsgrad != 0;
-  const Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), h);
+  Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), h);
   const int io = u.w.scalar_type() != at::kFloat ? kIoHalf : u.low == at::kHalf ? kIoRoundHalf : kIoRoundBf16;
   const AdamFn fn = pick(f, io);
   const size_t gsize = u.g.element_size(), wsize = u.w.element_size();
@@ -217,12 +226,14 @@ void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_
   auto* w = static_cast<char*>(u.w.data_ptr());
   float *p = u.p.data_ptr<float>(), *m = u.m.data_ptr<float>(), *v = u.v.data_ptr<float>();
   float* mx = amsgrad ? u.mx.data_ptr<float>() : nullptr;
+  // Tasks start at multiples of 64 elements: an aligned weight stays aligned in every task.
+  s.stream_half = io == kIoHalf && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   // Units of 64 elements (cache lines of every array), 16 Ki elements per task at least.
   const int64_t units = (nvec + 63) / 64;
   at::parallel_for(0, units, 256, [&](int64_t ub, int64_t ue) {
     const int64_t b = ub * 64, e = std::min(nvec, ue * 64);
     if (e > b) fn(g + b * gsize, p + b, m + b, v + b, amsgrad ? mx + b : nullptr, w + b * wsize, e - b, s);
-    if (io != kIoHalf) _mm_sfence();  // the streamed stores are visible before the task ends
+    _mm_sfence();  // the streamed stores are visible before the task ends
   });
   libtorch_update(u, nvec, inv, h);
 }
