@@ -175,11 +175,11 @@ struct Args {
     /// run in the same rounds.
     #[arg(long)]
     compare_three_pass: bool,
-    /// Add emulated O1 rows with the rounded weight copies on (the fused Adam step writes each
-    /// weight's fp16 values for the next forward; `tch_amp::diagnostics::set_o1_weight_copies`),
-    /// run in the same rounds.
+    /// Add emulated O1 rows with the rounded weight copies off (on by default: the fused Adam
+    /// step writes each weight's fp16 values for the next forward;
+    /// `tch_amp::diagnostics::set_o1_weight_copies`), run in the same rounds.
     #[arg(long)]
-    compare_weight_copies: bool,
+    compare_no_weight_copies: bool,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
     /// come back as fresh pages) instead of `tch_amp::cast::keep_freed_cpu_memory`, which
     /// `initialize` applies by default; set for every row, the fp32 loop's included.
@@ -356,9 +356,9 @@ enum Config {
     /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
     /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
     /// before the slice-wise step) instead of a slice at a time in `step`; `three_pass`: O2's
-    /// fused Adam in three passes instead of one; `copies`: O1 with its rounded weight copies
-    /// on (written by the fused Adam step, read by the next forward).
-    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool, three_pass: bool, copies: bool },
+    /// fused Adam in three passes instead of one; `no_copies`: O1 without its rounded weight
+    /// copies (written by the fused Adam step, read by the next forward; on by default).
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool, three_pass: bool, no_copies: bool },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }
@@ -377,7 +377,7 @@ impl Config {
             Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
-            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass, copies } => {
+            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass, no_copies } => {
                 let how = if cuda {
                     String::new()
                 } else {
@@ -389,8 +389,8 @@ impl Config {
                     ", full-size master grads"
                 } else if *three_pass {
                     ", three-pass step"
-                } else if *copies {
-                    ", weight copies"
+                } else if *no_copies {
+                    ", no weight copies"
                 } else {
                     ""
                 };
@@ -437,7 +437,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
         kernels: CpuKernels::Auto,
         full_size: false,
         three_pass: false,
-        copies: false,
+        no_copies: false,
     });
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
@@ -447,13 +447,13 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
             }
             for kernels in kernels {
-                let amp = |full_size, three_pass, copies| Config::Amp {
+                let amp = |full_size, three_pass, no_copies| Config::Amp {
                     level,
                     dtype: Some(k),
                     kernels,
                     full_size,
                     three_pass,
-                    copies,
+                    no_copies,
                 };
                 v.push(amp(false, false, false));
                 if args.compare_full_size && level == OptLevel::O2 {
@@ -462,7 +462,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 if args.compare_three_pass && level == OptLevel::O2 {
                     v.push(amp(false, true, false));
                 }
-                if args.compare_weight_copies && level == OptLevel::O1 && kernels == CpuKernels::Emulate {
+                if args.compare_no_weight_copies && level == OptLevel::O1 && kernels == CpuKernels::Emulate {
                     v.push(amp(false, false, true));
                 }
             }
@@ -632,7 +632,7 @@ enum Runner {
         cfg: Box<AmpConfig>,
         full_size: bool,
         three_pass: bool,
-        copies: bool,
+        no_copies: bool,
         vs: VarStore,
         net: Option<Net>,
         session: Option<Box<AmpSession>>,
@@ -663,25 +663,25 @@ impl Bench {
                 let opt = HandOpt::new(&self.args, &vs);
                 Runner::Loop { net, _vs: vs, opt, tf32 }
             }
-            Config::Amp { full_size, three_pass, copies, .. } => {
+            Config::Amp { full_size, three_pass, no_copies, .. } => {
                 let net = build(w, &vs);
                 let cfg = c.amp_config().expect("an Amp config");
-                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, copies, vs, net: Some(net), session: None }
+                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, no_copies, vs, net: Some(net), session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
 
     fn begin_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { cfg, full_size, three_pass, copies, vs, net, session } = r {
+        if let Runner::Amp { cfg, full_size, three_pass, no_copies, vs, net, session } = r {
             if *full_size {
                 self.saved_slice.set(diagnostics::set_master_grad_slice(0));
             }
             if *three_pass {
                 diagnostics::set_o2_single_pass(false);
             }
-            if *copies {
-                diagnostics::set_o1_weight_copies(true)?;
+            if *no_copies {
+                diagnostics::set_o1_weight_copies(false)?;
             }
             let amp = Amp::new(cfg)?;
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
@@ -695,7 +695,7 @@ impl Bench {
     }
 
     fn end_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { net, session, full_size, three_pass, copies, .. } = r {
+        if let Runner::Amp { net, session, full_size, three_pass, no_copies, .. } = r {
             if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
                 drop(opt);
                 *net = Some(model.into_inner());
@@ -707,8 +707,8 @@ impl Bench {
             if *three_pass {
                 diagnostics::set_o2_single_pass(true);
             }
-            if *copies {
-                diagnostics::set_o1_weight_copies(false)?;
+            if *no_copies {
+                diagnostics::set_o1_weight_copies(true)?;
             }
         }
         diagnostics::set_allow_tf32(false)?;
@@ -980,7 +980,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
         kernels,
         full_size: false,
         three_pass: false,
-        copies: false,
+        no_copies: false,
     };
     let mut r = bench.make_runner(w, c)?;
     let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -1183,8 +1183,8 @@ fn main() -> Result<()> {
         }
     );
     println!(
-        "- O1 with emulation: weights used once per forward rounded by one node (rounded weight copies \
-         off unless a row says so); fp16 rounding: {}",
+        "- O1 with emulation: weights used once per forward rounded by one node, or read from the rounded \
+         copy the fused Adam/AdamW step wrote (unless a row says no weight copies); fp16 rounding: {}",
         if diagnostics::o1_rounding_vectorized()? { "vector (F16C)" } else { "portable loop" }
     );
     println!(

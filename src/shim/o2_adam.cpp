@@ -370,7 +370,7 @@ char* tch_amp_o1_fused_adam_(at::Tensor* param, at::Tensor* grad, at::Tensor* ex
   TCH_AMP_PROTECT({
     *applied = 0;
 #ifdef TCH_AMP_X86
-    // Copies off (the default): one atomic load per parameter, nothing else.
+    // Copies off: one atomic load per parameter, nothing else.
     if (!tch_amp::weight_copies::enabled()) return nullptr;
     const Tensors t{grad, param, exp_avg, exp_avg_sq, max_exp_avg_sq, step};
     if (!t.fit(*h, at::kFloat)) return nullptr;

@@ -35,8 +35,9 @@ Registry& registry() {
   return *r;
 }
 
-// Off by default: measured, the copies did not pay for their memory (BENCHMARKS.md).
-std::atomic<bool> on{false};
+// On by default: with the rounding nodes' gradients rounded in place, the MLP's O1 step is
+// 0.25-0.5 ms faster with them in most runs, for 4 bytes per weight element (BENCHMARKS.md).
+std::atomic<bool> on{true};
 // Per thread: a forward runs on its caller's thread.
 thread_local int64_t served = 0, rounded = 0, demoted = 0, in_place = 0;
 

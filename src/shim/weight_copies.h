@@ -14,7 +14,7 @@
 
 namespace tch_amp::weight_copies {
 
-// The process-wide switch for the copies (off by default); returns the previous setting. Off, no
+// The process-wide switch for the copies (on by default); returns the previous setting. Off, no
 // copy is written or kept; weights used once still get one rounding node, made in the forward.
 bool set_enabled(bool on);
 bool enabled();
