@@ -1051,7 +1051,11 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
 /// allocated since the model was made (`base`: the bytes held before) and still held then.
 fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i64) -> Result<Option<(f64, f64, f64)>> {
     let Runner::Amp { .. } = r else { return Ok(None) };
+    // A row without O1's weight copies drops the copies the other rows' models hold, which
+    // `base` counts: they leave the baseline too.
+    let copies_before = diagnostics::o1_weight_copies()?.bytes as i64;
     bench.begin_round(r)?;
+    let dropped = (copies_before - diagnostics::o1_weight_copies()?.bytes as i64).max(0);
     let out = (|| {
         let Runner::Amp { session: Some(s), .. } = r else { bail!("round not begun") };
         for _ in 0..2 {
@@ -1070,7 +1074,7 @@ fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i
         })?;
         let state = s.opt.memory();
         // Everything allocated since this model was made counts (the batch is older).
-        let other = base;
+        let other = base - dropped;
         s.opt.step()?;
         let after = diagnostics::cpu_memory()?;
         let params = state.params.max(1) as f64;

@@ -235,7 +235,7 @@ pub fn o2_single_pass_form(adamw: bool) -> Result<Option<String>> {
 /// instead of 16), for a step 3-5% faster on the MLP benchmark (BENCHMARKS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct O1WeightCopies {
-    /// Copies kept now.
+    /// Copies kept now (a dropped weight's until the next O1 forward on any thread ends).
     pub copies: u64,
     /// Their bytes.
     pub bytes: u64,

@@ -159,7 +159,8 @@ Stats stats() {
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
     for (const auto& [impl, e] : r.entries) {
-      if (e.has_copy && !e.source.expired()) {
+      // A dead weight's copy counts until the next forward's note_uses lets it go.
+      if (e.has_copy) {
         ++s.copies;
         s.bytes += static_cast<int64_t>(e.copy.nbytes());
       }

@@ -51,7 +51,7 @@ at::Tensor current(const at::Tensor& w);
 void note_demoted();
 
 struct Stats {
-  int64_t copies = 0;   // copies kept
+  int64_t copies = 0;   // copies kept (a dead weight's until the next note_uses)
   int64_t bytes = 0;    // their bytes
   // On the calling thread, since it started:
   int64_t served = 0;   // forward uses served from a copy
