@@ -358,7 +358,14 @@ enum Config {
     /// before the slice-wise step) instead of a slice at a time in `step`; `three_pass`: O2's
     /// fused Adam in three passes instead of one; `no_copies`: O1 without its rounded weight
     /// copies (written by the fused Adam step, read by the next forward; on by default).
-    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels, full_size: bool, three_pass: bool, no_copies: bool },
+    Amp {
+        level: OptLevel,
+        dtype: Option<Kind>,
+        kernels: CpuKernels,
+        full_size: bool,
+        three_pass: bool,
+        no_copies: bool,
+    },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }

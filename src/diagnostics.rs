@@ -185,13 +185,19 @@ pub fn set_master_grad_slice(elements: i64) -> i64 {
 
 /// Turns O2's single-pass Adam/AdamW update on or off (default on; process-wide) and returns
 /// the previous setting. The single pass (libtorch's fused Adam/AdamW with
-/// `OptimizerConfig::fused(true)`, fp16 model, fp32 masters, contiguous CPU tensors) unscales
-/// each fp16 gradient element, updates the master and its state and rounds the master into the
+/// `OptimizerConfig::fused(true)`, fp16 or bf16 model, fp32 masters, contiguous CPU tensors)
+/// unscales each fp16 (bf16) gradient element, updates the master and its state and rounds the master into the
 /// model in one pass over memory; off, `step` makes the fp32 gradient a slice at a time, runs
 /// libtorch's kernel on it and rounds the slice back (three passes, the same bits). For tests
 /// and benchmarks.
 pub fn set_o2_single_pass(on: bool) -> bool {
     crate::optim::set_o2_single_pass(on)
+}
+
+/// How many parameter updates O2's single pass ([`set_o2_single_pass`]) has made on the calling
+/// thread (`step` runs on its caller's thread); the others took the slice-wise path.
+pub fn o2_single_pass_updates() -> u64 {
+    crate::optim::o2_single_pass_updates()
 }
 
 /// The form of O2's single-pass Adam (`adamw == false`) or AdamW update that reproduces

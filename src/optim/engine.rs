@@ -320,9 +320,18 @@ pub(crate) fn set_o2_single_pass(on: bool) -> bool {
     SINGLE_PASS.swap(on, std::sync::atomic::Ordering::Relaxed)
 }
 
+thread_local! {
+    static SINGLE_PASS_UPDATES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Parameters the calling thread has updated with the single pass so far.
+pub(crate) fn o2_single_pass_updates() -> u64 {
+    SINGLE_PASS_UPDATES.with(|c| c.get())
+}
+
 impl Optimizer {
-    /// O2's whole update of parameter `i` (an fp32 master) from the model's fp16 gradient
-    /// `grad`, when the rule is libtorch's fused Adam/AdamW (`OptimizerConfig::fused(true)`) and
+    /// O2's whole update of parameter `i` (an fp32 master) from the model's fp16 (or bf16)
+    /// gradient `grad`, when the rule is libtorch's fused Adam/AdamW (`OptimizerConfig::fused(true)`) and
     /// every tensor is a contiguous CPU one: per element, the gradient unscaled into fp32, the
     /// master and its state updated and the master rounded into `model`, in one pass over
     /// memory (`src/shim/o2_adam.cpp`) instead of [`Self::update_in_slices`]'s three, with the
@@ -351,8 +360,8 @@ impl Optimizer {
                 && t.numel() == n
         };
         if !(cpu_contiguous(param, &[Kind::Float])
-            && cpu_contiguous(model, &[Kind::Half])
-            && cpu_contiguous(grad, &[Kind::Half])
+            && cpu_contiguous(model, &[Kind::Half, Kind::BFloat16])
+            && cpu_contiguous(grad, &[model.kind()])
             && inv_scale.device() == tch::Device::Cpu)
         {
             return Ok(false);
@@ -388,6 +397,7 @@ impl Optimizer {
         )?;
         if applied {
             st.step += 1;
+            SINGLE_PASS_UPDATES.with(|c| c.set(c.get() + 1));
         }
         Ok(applied)
     }

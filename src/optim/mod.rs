@@ -17,7 +17,7 @@ mod rules;
 pub(crate) use amp_optimizer::{gradient_scans, set_master_grad_slice, CollapseInfo, Layout, OptimizerSetup};
 pub use amp_optimizer::{AmpOptimizer, MemoryReport, StepOutcome};
 pub use apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, NovoGradNorm};
-pub(crate) use engine::set_o2_single_pass;
+pub(crate) use engine::{o2_single_pass_updates, set_o2_single_pass};
 pub(crate) use grads::check_clip_args;
 pub use grads::{non_finite_check_, unscale_};
 pub(crate) use groups::resolve;

@@ -1,7 +1,7 @@
-// O2's Adam/AdamW update of one fp32 master from the model's fp16 gradient in a single pass
-// over memory (bound in src/sys/optim.rs): per element, the gradient is converted to fp32 and
-// unscaled, the master and its state are updated, and the master is rounded into the model's
-// fp16 weight. The alternative, libtorch's `_fused_adam_` between an unscale pass and a
+// O2's Adam/AdamW update of one fp32 master from the model's fp16 (or bf16) gradient in a
+// single pass over memory (bound in src/sys/optim.rs): per element, the gradient is converted to
+// fp32 and unscaled, the master and its state are updated, and the master is rounded into the
+// model's 16-bit weight. The alternative, libtorch's `_fused_adam_` between an unscale pass and a
 // rounding pass, reads and writes the gradient and the master two more times. The same pass
 // serves O1 with CPU emulation: an fp32 weight updated from its fp32 gradient, its values
 // rounded to fp16/bf16 written into the copy the next forward reads (weight_copies.h).
@@ -49,8 +49,8 @@ struct Form {
 struct Scalars {
   float inv, wd, decay, lerp_w, lerp_w_minus_1, b2, c2, bc2_sqrt, eps, neg_step_size;
   bool small_lerp, maximize, amsgrad, adamw, has_wd;
-  // The fp16 model weight is 16-byte aligned: its stores may be streamed (see adam_8).
-  bool stream_half;
+  // The 16-bit model weight is 16-byte aligned: its stores may be streamed (see adam_8).
+  bool stream16;
 };
 
 Scalars make_scalars(float inv, double step, const tch_amp_adam_scalars& h) {
@@ -84,10 +84,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 maximum(__m256 a, __m256 
   return _mm256_or_ps(mx, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 
-// What one update reads and writes besides the state: O2's fp16 gradient and fp16 model
-// weight, or O1's fp32 gradient and the fp32 copy of the weight rounded to fp16 or bf16
-// (weight_copies.h).
-enum Io : int { kIoHalf = 0, kIoRoundHalf = 1, kIoRoundBf16 = 2 };
+// What one update reads and writes besides the state: O2's fp16 (bf16) gradient and fp16
+// (bf16) model weight, or O1's fp32 gradient and the fp32 copy of the weight rounded to fp16 or
+// bf16 (weight_copies.h).
+enum Io : int { kIoHalf = 0, kIoRoundHalf = 1, kIoRoundBf16 = 2, kIoBf16 = 3 };
 
 // bf16's round to nearest even of 8 floats, as c10::BFloat16's constructor (NaN: 0x7FC00000).
 __attribute__((target("avx2,fma,f16c"))) inline __m256 round_bf16_8(__m256 x) {
@@ -112,9 +112,16 @@ __attribute__((target("avx2,fma,f16c"))) void adam_8(const void* gp, float* p, f
   const __m256 b2 = _mm256_set1_ps(s.b2), c2 = _mm256_set1_ps(s.c2), bc2 = _mm256_set1_ps(s.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(s.eps), nss = _mm256_set1_ps(s.neg_step_size), neg1 = _mm256_set1_ps(-1.0f);
   for (int64_t i = 0; i < n; i += 8) {
-    __m256 g = IO == kIoHalf
-                   ? _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), inv)
-                   : _mm256_loadu_ps(g32 + i);
+    __m256 g;
+    if (IO == kIoHalf) {
+      g = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i))), inv);
+    } else if (IO == kIoBf16) {
+      // bf16 to fp32 is exact: the 16 bits above 16 zeros.
+      const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g16 + i)));
+      g = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), inv);
+    } else {
+      g = _mm256_loadu_ps(g32 + i);
+    }
     __m256 pv = _mm256_loadu_ps(p + i);
     if (s.maximize) g = _mm256_mul_ps(g, neg1);
     if (s.has_wd) {
@@ -147,12 +154,19 @@ __attribute__((target("avx2,fma,f16c"))) void adam_8(const void* gp, float* p, f
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(src), bc2), eps);
     pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(nss, mv), denom));
     _mm256_storeu_ps(p + i, pv);
-    const __m128i h = _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    if (IO == kIoHalf) {
+    if (IO == kIoHalf || IO == kIoBf16) {
+      __m128i h;
+      if (IO == kIoHalf) {
+        h = _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      } else {
+        // The rounded values' upper 16 bits, packed in order (each fits: no saturation).
+        const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(pv)), 16);
+        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      }
       // Streamed: nothing reads the model weight before the next forward, by when it has left
       // the caches anyway, and a normal store would first read its line from memory (measured:
       // the MLP's O2 step 0.1 ms faster).
-      if (s.stream_half) {
+      if (s.stream16) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(w16 + i), h);
       } else {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i), h);
@@ -160,6 +174,7 @@ __attribute__((target("avx2,fma,f16c"))) void adam_8(const void* gp, float* p, f
     } else if (IO == kIoRoundHalf) {
       // The copy is read by the next forward, not here: streamed past the caches (64-byte
       // aligned: libtorch's CPU allocator aligns to 64 and blocks start at multiples of 64).
+      const __m128i h = _mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm256_stream_ps(w32 + i, _mm256_cvtph_ps(h));
     } else {
       _mm256_stream_ps(w32 + i, round_bf16_8(pv));
@@ -176,7 +191,16 @@ AdamFn pick_io(const Form& f) {
   return table[f.sq][f.wd];
 }
 AdamFn pick(const Form& f, int io) {
-  return io == kIoHalf ? pick_io<kIoHalf>(f) : io == kIoRoundHalf ? pick_io<kIoRoundHalf>(f) : pick_io<kIoRoundBf16>(f);
+  switch (io) {
+    case kIoHalf:
+      return pick_io<kIoHalf>(f);
+    case kIoBf16:
+      return pick_io<kIoBf16>(f);
+    case kIoRoundHalf:
+      return pick_io<kIoRoundHalf>(f);
+    default:
+      return pick_io<kIoRoundBf16>(f);
+  }
 }
 #endif
 
@@ -219,7 +243,11 @@ void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_
   const int64_t nvec = n - n % f.width;
   const bool amsgrad = h.amsgrad != 0;
   Scalars s = make_scalars(inv, static_cast<double>(u.step.item<float>()), h);
-  const int io = u.w.scalar_type() != at::kFloat ? kIoHalf : u.low == at::kHalf ? kIoRoundHalf : kIoRoundBf16;
+  const at::ScalarType wt = u.w.scalar_type();
+  const int io = wt == at::kHalf       ? kIoHalf
+                 : wt == at::kBFloat16 ? kIoBf16
+                 : u.low == at::kHalf  ? kIoRoundHalf
+                                       : kIoRoundBf16;
   const AdamFn fn = pick(f, io);
   const size_t gsize = u.g.element_size(), wsize = u.w.element_size();
   const auto* g = static_cast<const char*>(u.g.const_data_ptr());
@@ -227,7 +255,7 @@ void fused_update(const Update& u, const Form& f, float inv, const tch_amp_adam_
   float *p = u.p.data_ptr<float>(), *m = u.m.data_ptr<float>(), *v = u.v.data_ptr<float>();
   float* mx = amsgrad ? u.mx.data_ptr<float>() : nullptr;
   // Tasks start at multiples of 64 elements: an aligned weight stays aligned in every task.
-  s.stream_half = io == kIoHalf && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  s.stream16 = (io == kIoHalf || io == kIoBf16) && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   // Units of 64 elements (cache lines of every array), 16 Ki elements per task at least.
   const int64_t units = (nvec + 63) / 64;
   at::parallel_for(0, units, 256, [&](int64_t ub, int64_t ue) {
@@ -242,25 +270,26 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return a.numel() == b.numel() && std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
 }
 
-// Finds the form that reproduces libtorch's kernel for this mode on a probe (nullopt: none).
-std::optional<Form> calibrate(bool adamw) {
+// Finds the form that reproduces libtorch's kernel for this mode on a probe with a `low` (fp16
+// or bf16) model and gradient (nullopt: none).
+std::optional<Form> calibrate(bool adamw, at::ScalarType low) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(20261124);
   const int64_t n = (1 << 14) + 13;  // a tail of 13: 13 scalar elements at width 16, 5 at width 8
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const float inv = 1.0f / 65536.0f;
   const at::Tensor p0 = at::randn({n}, gen, f32), m0 = at::randn({n}, gen, f32).mul_(0.01),
                    v0 = at::rand({n}, gen, f32).mul_(1e-4),
-                   g16 = at::randn({n}, gen, f32).mul_(655.36).to(at::kHalf),
+                   g16 = at::randn({n}, gen, f32).mul_(655.36).to(low),
                    step = at::scalar_tensor(7.0, f32);
   const tch_amp_adam_scalars h{1e-3, 0.9, 0.999, 0.01, 1e-8, /*amsgrad=*/0, adamw ? 1 : 0, /*maximize=*/0};
-  Update ref{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
+  Update ref{p0.to(low), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
   libtorch_update(ref, 0, inv, h);
   for (int width : {8, 16}) {
     for (int sq : {kSqFmaFirst, kSqPlain, kSqFmaSecond}) {
       for (int wdf : {kWdFma, kWdPlain}) {
         if (adamw && wdf == kWdPlain) continue;  // AdamW has no L2 term
         const Form f{sq, wdf, width};
-        Update u{p0.to(at::kHalf), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
+        Update u{p0.to(low), g16, p0.clone(), m0.clone(), v0.clone(), at::Tensor(), step};
         fused_update(u, f, inv, h);
         if (same_bits(u.p, ref.p) && same_bits(u.m, ref.m) && same_bits(u.v, ref.v) && same_bits(u.w, ref.w)) {
           return f;
@@ -271,19 +300,21 @@ std::optional<Form> calibrate(bool adamw) {
   return std::nullopt;
 }
 
-// The calibrated form per mode (Adam, AdamW), found once per process.
-std::optional<Form> form_for(bool adamw) {
+// The calibrated form per mode (Adam, AdamW) and 16-bit type (fp16, bf16: the same arithmetic,
+// each checked with its own conversions), found once per process. O1's copies (fp32 gradients)
+// take the fp16 one.
+std::optional<Form> form_for(bool adamw, at::ScalarType low = at::kHalf) {
   static std::mutex mu;
-  static bool done[2] = {false, false};
-  static std::optional<Form> found[2];
+  static bool done[2][2] = {{false, false}, {false, false}};
+  static std::optional<Form> found[2][2];
   std::lock_guard<std::mutex> lock(mu);
-  const int k = adamw ? 1 : 0;
-  if (!done[k]) {
+  const int k = adamw ? 1 : 0, d = low == at::kBFloat16 ? 1 : 0;
+  if (!done[k][d]) {
     c10::AutoGradMode no_grad(false);
-    found[k] = tch_amp::cpu_has_avx2_fma_f16c() ? calibrate(adamw) : std::nullopt;
-    done[k] = true;
+    found[k][d] = tch_amp::cpu_has_avx2_fma_f16c() ? calibrate(adamw, d == 1 ? at::kBFloat16 : at::kHalf) : std::nullopt;
+    done[k][d] = true;
   }
-  return found[k];
+  return found[k][d];
 }
 #endif
 
@@ -333,7 +364,7 @@ struct Tensors {
 extern "C" {
 
 // One O2 Adam (adamw = 0) or AdamW (adamw = 1) update in a single pass (see the top of this
-// file). `model`, `grad`: contiguous CPU fp16; `master`, `exp_avg`, `exp_avg_sq` (and
+// file). `model`, `grad`: contiguous CPU fp16, or both bf16; `master`, `exp_avg`, `exp_avg_sq` (and
 // `max_exp_avg_sq` with amsgrad, else NULL): contiguous CPU fp32 of as many elements; `step`: the
 // 0-dim fp32 step count of this update; `inv_scale`: a 1-element CPU fp32 tensor. *applied = 1
 // when the update was made; 0 (nothing changed) when this build of libtorch or this CPU has no
@@ -345,13 +376,14 @@ char* tch_amp_o2_fused_adam_(at::Tensor* model, at::Tensor* grad, at::Tensor* ma
     *applied = 0;
 #ifdef TCH_AMP_X86
     const Tensors t{grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, step};
-    if (!t.fit(*h, at::kHalf) || !fits(model, at::kHalf, master->numel()) || !inv_scale->is_cpu() ||
-        inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat) {
+    const at::ScalarType low = model != nullptr && model->defined() ? model->scalar_type() : at::kHalf;
+    if ((low != at::kHalf && low != at::kBFloat16) || !t.fit(*h, low) || !fits(model, low, master->numel()) ||
+        !inv_scale->is_cpu() || inv_scale->numel() != 1 || inv_scale->scalar_type() != at::kFloat) {
       return nullptr;
     }
-    const std::optional<Form> form = form_for(h->adamw != 0);
+    const std::optional<Form> form = form_for(h->adamw != 0, low);
     if (!form.has_value()) return nullptr;
-    t.update(*model, at::kHalf, *form, inv_scale->item<float>(), *h);
+    t.update(*model, low, *form, inv_scale->item<float>(), *h);
     *applied = 1;
 #endif
   })

@@ -129,7 +129,7 @@ pub(crate) struct O2AdamTensors<'a> {
     pub(crate) inv_scale: &'a Tensor,
 }
 
-/// One parameter's O2 Adam/AdamW update in a single pass (`src/shim/o2_adam.cpp`): the fp16
+/// One parameter's O2 Adam/AdamW update in a single pass (`src/shim/o2_adam.cpp`): the fp16/bf16
 /// gradient unscaled into fp32, the master and its state updated with libtorch's fused kernel's
 /// arithmetic, the master rounded into the model weight. `Ok(false)`, nothing changed, where no
 /// form of the pass reproduces libtorch's kernel bit for bit (checked once per mode).

@@ -8,7 +8,8 @@ use std::sync::Mutex;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::diagnostics::{
-    o1_weight_copies, o1_weight_copy, o2_single_pass_form, set_o1_weight_copies, set_o2_single_pass,
+    o1_weight_copies, o1_weight_copy, o2_single_pass_form, o2_single_pass_updates, set_o1_weight_copies,
+    set_o2_single_pass,
 };
 use tch_amp::{initialize, non_finite_check_, unscale_, AmpConfig, CpuKernels, OptLevel, OptimizerConfig};
 
@@ -107,15 +108,17 @@ fn inputs(seed: i64) -> (Tensor, Tensor) {
     (t(16 * 37, 0.731).reshape([16, 37]), t(16 * 5, 1.37).reshape([16, 5]))
 }
 
-/// Trains 6 O2 steps (loss scale 1024, so gradients are unscaled by 2^-10) and returns every
-/// master's and model weight's bits, and each optimizer state tensor's.
-fn train(cfg: OptimizerConfig, single_pass: bool) -> Vec<(String, Vec<u8>)> {
+/// Trains 6 O2 steps with a `low` (fp16 or bf16) model (loss scale 1024, so gradients are
+/// unscaled by 2^-10) and returns every master's and model weight's bits, and each optimizer
+/// state tensor's, and how many parameter updates the single pass made.
+fn train(cfg: OptimizerConfig, single_pass: bool, low: Kind) -> (Vec<(String, Vec<u8>)>, u64) {
     let previous = set_o2_single_pass(single_pass);
+    let updates_before = o2_single_pass_updates();
     let vs = VarStore::new(Device::Cpu);
     let net = model(&vs);
     let (x, y) = inputs(7);
-    let (net, mut opt, mut amp) =
-        initialize(&vs, net, cfg, 3e-3, &AmpConfig::new(OptLevel::O2).loss_scale(1024.0).verbosity(0)).unwrap();
+    let config = AmpConfig::new(OptLevel::O2).low_precision_dtype(low).loss_scale(1024.0).verbosity(0);
+    let (net, mut opt, mut amp) = initialize(&vs, net, cfg, 3e-3, &config).unwrap();
     for _ in 0..6 {
         opt.zero_grad().unwrap();
         let loss = net.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
@@ -123,6 +126,7 @@ fn train(cfg: OptimizerConfig, single_pass: bool) -> Vec<(String, Vec<u8>)> {
         assert!(opt.step().unwrap().stepped());
     }
     set_o2_single_pass(previous);
+    let updates = o2_single_pass_updates() - updates_before;
     let mut out: Vec<(String, Vec<u8>)> = Vec::new();
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -138,11 +142,11 @@ fn train(cfg: OptimizerConfig, single_pass: bool) -> Vec<(String, Vec<u8>)> {
             out.push((format!("{k} {}", p.name), bits(t)));
         }
     }
-    out
+    (out, updates)
 }
 
 #[test]
-fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit() {
+fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit_fp16_and_bf16() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // CI's CPUs have AVX2, FMA and F16C and the venv's libtorch: a form must be found there,
     // or the comparison below would compare the slice-wise path with itself.
@@ -163,14 +167,23 @@ fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit() {
             OptimizerConfig::from(nn::AdamW { amsgrad: true, ..Default::default() }).fused(true).maximize(true),
         ),
     ];
-    for (name, cfg) in cases {
-        let single = train(cfg, true);
-        let sliced = train(cfg, false);
-        assert_eq!(single.len(), sliced.len());
-        for ((a_name, a), (b_name, b)) in single.iter().zip(&sliced) {
-            assert_eq!(a_name, b_name);
-            let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
-            assert_eq!(differ, 0, "{name}: {a_name} differs in {differ} of {} bytes", a.len());
+    let vector_cpu = cfg!(target_arch = "x86_64")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c");
+    for low in [Kind::Half, Kind::BFloat16] {
+        for (name, cfg) in &cases {
+            let (single, updates) = train(*cfg, true, low);
+            let (sliced, none) = train(*cfg, false, low);
+            // 6 steps of the 6 parameters, all through the single pass where it exists.
+            assert_eq!(updates, if vector_cpu { 36 } else { 0 }, "{name} {low:?}: single-pass updates");
+            assert_eq!(none, 0, "{name} {low:?}: the single pass ran while off");
+            assert_eq!(single.len(), sliced.len());
+            for ((a_name, a), (b_name, b)) in single.iter().zip(&sliced) {
+                assert_eq!(a_name, b_name);
+                let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                assert_eq!(differ, 0, "{name} {low:?}: {a_name} differs in {differ} of {} bytes", a.len());
+            }
         }
     }
 }
