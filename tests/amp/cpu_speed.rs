@@ -145,12 +145,34 @@ fn train(cfg: OptimizerConfig, single_pass: bool, low: Kind) -> (Vec<(String, Ve
     (out, updates)
 }
 
+/// Whether this CPU runs the shim's vector kernels (x86-64 with AVX2, FMA and F16C): CI's do.
+fn vector_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Asserts that two trainings' named byte dumps are identical, name by name.
+fn assert_same_bytes(case: &str, a: &[(String, Vec<u8>)], b: &[(String, Vec<u8>)]) {
+    assert_eq!(a.len(), b.len(), "{case}: as many tensors");
+    for ((a_name, a), (b_name, b)) in a.iter().zip(b) {
+        assert_eq!(a_name, b_name);
+        let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+        assert_eq!(differ, 0, "{case}: {a_name} differs in {differ} of {} bytes", a.len());
+    }
+}
+
 #[test]
 fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit_fp16_and_bf16() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // CI's CPUs have AVX2, FMA and F16C and the venv's libtorch: a form must be found there,
     // or the comparison below would compare the slice-wise path with itself.
-    if cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if vector_cpu() {
         let adam = o2_single_pass_form(false).unwrap();
         let adamw = o2_single_pass_form(true).unwrap();
         println!("single-pass forms: Adam {adam:?}; AdamW {adamw:?}");
@@ -167,10 +189,7 @@ fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit_fp16_and_bf16() {
             OptimizerConfig::from(nn::AdamW { amsgrad: true, ..Default::default() }).fused(true).maximize(true),
         ),
     ];
-    let vector_cpu = cfg!(target_arch = "x86_64")
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c");
+    let vector_cpu = vector_cpu();
     for low in [Kind::Half, Kind::BFloat16] {
         for (name, cfg) in &cases {
             let (single, updates) = train(*cfg, true, low);
@@ -178,12 +197,7 @@ fn single_pass_o2_adam_equals_the_slice_wise_step_bit_for_bit_fp16_and_bf16() {
             // 6 steps of the 6 parameters, all through the single pass where it exists.
             assert_eq!(updates, if vector_cpu { 36 } else { 0 }, "{name} {low:?}: single-pass updates");
             assert_eq!(none, 0, "{name} {low:?}: the single pass ran while off");
-            assert_eq!(single.len(), sliced.len());
-            for ((a_name, a), (b_name, b)) in single.iter().zip(&sliced) {
-                assert_eq!(a_name, b_name);
-                let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
-                assert_eq!(differ, 0, "{name} {low:?}: {a_name} differs in {differ} of {} bytes", a.len());
-            }
+            assert_same_bytes(&format!("{name} {low:?}"), &single, &sliced);
         }
     }
 }
@@ -270,10 +284,7 @@ fn o1_weight_copies_change_no_bit_of_a_training_run() {
             OptimizerConfig::from(nn::AdamW { wd: 1e-2, ..Default::default() }).fused(true).maximize(true),
         ),
     ];
-    let vector_path = cfg!(target_arch = "x86_64")
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c");
+    let vector_path = vector_cpu();
     for (name, cfg) in cases {
         let (with, served) = train_o1(cfg, true);
         let (without, served_off) = train_o1(cfg, false);
@@ -282,11 +293,6 @@ fn o1_weight_copies_change_no_bit_of_a_training_run() {
             // 6 parameters, read from their copies in forwards 2 to 6.
             assert_eq!(served, 30, "{name}: forward uses served from a copy");
         }
-        assert_eq!(with.len(), without.len());
-        for ((a_name, a), (b_name, b)) in with.iter().zip(&without) {
-            assert_eq!(a_name, b_name);
-            let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
-            assert_eq!(differ, 0, "{name}: {a_name} differs in {differ} of {} bytes", a.len());
-        }
+        assert_same_bytes(name, &with, &without);
     }
 }
