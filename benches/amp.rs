@@ -185,6 +185,11 @@ struct Args {
     /// `initialize` applies by default; set for every row, the fp32 loop's included.
     #[arg(long)]
     system_malloc: bool,
+    /// Turn O1's output handoff off for every row (an emulated op's rounded fp32 result serving
+    /// the next conversion of its fp16 tensor to fp32, and the same in backward;
+    /// `tch_amp::diagnostics::set_o1_output_handoff`): the plain conversions, the same bits.
+    #[arg(long)]
+    no_output_handoff: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -1169,6 +1174,9 @@ fn main() -> Result<()> {
     }
     // Every row in the same allocator setting: the fp32 loop runs before any `initialize`.
     SYSTEM_MALLOC.store(args.system_malloc, std::sync::atomic::Ordering::Relaxed);
+    if args.no_output_handoff {
+        diagnostics::set_o1_output_handoff(false)?;
+    }
     let kept = !args.system_malloc && tch_amp::cast::keep_freed_cpu_memory()?;
     let python = if args.no_python { None } else { Python::start(&args)? };
     let cpu = CpuFeatures::detect();
@@ -1195,8 +1203,10 @@ fn main() -> Result<()> {
     );
     println!(
         "- O1 with emulation: weights used once per forward rounded by one node, or read from the rounded \
-         copy the fused Adam/AdamW step wrote (unless a row says no weight copies); fp16 rounding: {}",
-        if diagnostics::o1_rounding_vectorized()? { "vector (F16C)" } else { "portable loop" }
+         copy the fused Adam/AdamW step wrote (unless a row says no weight copies); fp16 rounding: {}; \
+         output handoff: {}",
+        if diagnostics::o1_rounding_vectorized()? { "vector (F16C)" } else { "portable loop" },
+        if args.no_output_handoff { "off" } else { "on" }
     );
     println!(
         "- versions: tch-amp {}, tch 0.26.0, libtorch {}, PyTorch {}",

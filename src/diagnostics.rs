@@ -288,6 +288,43 @@ pub fn o1_weight_copies() -> Result<O1WeightCopies> {
     })
 }
 
+/// O1's output handoff with CPU emulation of fp16, as [`o1_output_handoffs`] counts it.
+///
+/// An emulated GEMM or convolution computes in fp32 and hands back an fp16 tensor, as under
+/// Apex; the next op often converts that tensor straight back to fp32 (an fp32-list op such as
+/// GELU or softmax, an add with an fp32 tensor, another emulated op). When nothing else holds
+/// the fp32 result, one pass writes the fp16 tensor and rounds the result in place, and that
+/// conversion takes the rounded result instead of making a new tensor; the backward does the
+/// same for the gradient when the fp16 tensor's gradient comes from that conversion alone. The
+/// values are those of the two conversions, bit for bit; only passes over memory and
+/// allocations are saved. [`set_o1_output_handoff`] turns it off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct O1OutputHandoffs {
+    /// Conversions to fp32 on the calling thread (since it started) that took an emulated op's
+    /// rounded result.
+    pub forward: u64,
+    /// Gradients on the calling thread handed on the same way in backward.
+    pub backward: u64,
+}
+
+/// Turns O1's output handoff ([`O1OutputHandoffs`]) on or off (process-wide; on by default) and
+/// returns the previous setting. The results are the same bits either way.
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn set_o1_output_handoff(on: bool) -> Result<bool> {
+    Ok(crate::sys::cast::output_handoff(Some(on))?.0)
+}
+
+/// The calling thread's output handoffs so far ([`O1OutputHandoffs`]).
+///
+/// # Errors
+/// [`AmpError::Shim`] if the shim fails (not expected).
+pub fn o1_output_handoffs() -> Result<O1OutputHandoffs> {
+    let (_, [forward, backward]) = crate::sys::cast::output_handoff(None)?;
+    Ok(O1OutputHandoffs { forward: forward.max(0) as u64, backward: backward.max(0) as u64 })
+}
+
 /// The rounded copy O1 keeps of weight `w` (a detached tensor sharing its storage), when one
 /// is current: written by the last update of `w`, which nothing has changed since.
 ///

@@ -150,7 +150,7 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, int dev) {
   if (from == to || from == at::kDouble) return t;
   const bool cacheable =
       ((from == at::kFloat && is_low(to)) || (is_low(from) && to == at::kFloat)) && cacheable_weight(t);
-  if (!cacheable) return t.to(to);
+  if (!cacheable) return to == at::kFloat ? widen(t) : t.to(to);
   return cached(t, CacheKey{t.unsafeGetTensorImpl(), to}, /*other_use=*/true, [&] { return t.to(to); });
 }
 
@@ -178,6 +178,7 @@ void cache_clear() {
   }
   if (!uses.empty()) weight_copies::note_uses(uses);
   tls_cache.clear();
+  handoff_clear();
 }
 size_t cache_len() { return tls_cache.size(); }
 

@@ -260,7 +260,8 @@ class CastKernel final : public c10::OperatorKernel {
         const at::ScalarType to = *widest;
         map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) {
           if (!eligible(t, dev) || t.scalar_type() == to) return t;
-          return t.to(to);  // fp64 only ever widens here (it is the widest when present)
+          // fp64 only ever widens here (it is the widest when present)
+          return to == at::kFloat ? widen(t) : t.to(to);
         });
         return;
       }
@@ -305,7 +306,7 @@ class CastKernel final : public c10::OperatorKernel {
       c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
-        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
+        if (t.defined() && t.scalar_type() == at::kFloat) v = round_output(t, to);
       }
     }
   }

@@ -88,6 +88,16 @@ at::Tensor round_through(const at::Tensor& x, at::ScalarType low);
 at::Tensor round_weight(const at::Tensor& w, at::ScalarType low, const at::Tensor& copy);
 // Whether the rounding to `low` runs the vector (F16C) code on this CPU.
 bool rounds_vectorized(at::ScalarType low);
+// An emulated op's fp32 output as its `low` tensor (what `t.to(low)` gives, forward and
+// backward). For fp16, when nothing else holds `t`, it is rounded in place in the same pass and
+// kept for the output's next conversion to fp32 (`widen`): the output handoff,
+// round_through.cpp.
+at::Tensor round_output(const at::Tensor& t, at::ScalarType low);
+// `h.to(fp32)`, forward and backward: from the values `round_output` kept when `h` is the
+// unchanged tensor it returned and no conversion has taken them yet.
+at::Tensor widen(const at::Tensor& h);
+// Drops what the output handoff keeps on the calling thread (with cache_clear).
+void handoff_clear();
 void cache_clear();
 size_t cache_len();
 

@@ -55,6 +55,7 @@ extern "C" {
     fn tch_amp_cast_rounding_vectorized(vectorized: *mut c_int) -> *mut c_char;
     fn tch_amp_o1_weight_copies_set(enabled: c_int, previous: *mut c_int) -> *mut c_char;
     fn tch_amp_o1_weight_copies_stats(out: *mut i64) -> *mut c_char;
+    fn tch_amp_o1_output_handoff(enabled: c_int, previous: *mut c_int, out: *mut i64) -> *mut c_char;
     fn tch_amp_o1_weight_copy(w: *mut torch_sys::C_tensor, out: *mut *mut torch_sys::C_tensor) -> *mut c_char;
 }
 
@@ -256,6 +257,17 @@ pub(crate) fn weight_copies_stats() -> Result<[i64; 6]> {
     // SAFETY: `out` has the 6 slots the shim writes.
     check(unsafe { tch_amp_o1_weight_copies_stats(out.as_mut_ptr()) }, "o1_weight_copies_stats")?;
     Ok(out)
+}
+
+/// O1's output handoff (`src/shim/round_through.cpp`): sets it when `set` is given; returns
+/// the previous setting and the calling thread's [forward, backward] handoffs.
+pub(crate) fn output_handoff(set: Option<bool>) -> Result<(bool, [i64; 2])> {
+    let mut previous: c_int = 0;
+    let mut out = [0i64; 2];
+    let enabled = set.map_or(-1, c_int::from);
+    // SAFETY: a plain integer and out-pointers to locals (`out` has the 2 slots the shim writes).
+    check(unsafe { tch_amp_o1_output_handoff(enabled, &mut previous, out.as_mut_ptr()) }, "o1_output_handoff")?;
+    Ok((previous == 1, out))
 }
 
 /// `w`'s current rounded copy (a detached alias), if any.

@@ -6,6 +6,7 @@ mod common;
 mod cache;
 mod casts;
 mod emulation;
+mod handoff;
 mod policy;
 mod rnn;
 mod threads;

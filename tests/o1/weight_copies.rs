@@ -11,13 +11,13 @@ use tch_amp::diagnostics::{o1_rounding_vectorized, o1_weight_copies, o1_weight_c
 use tch_amp::{CastSettings, CpuKernels};
 
 /// Deterministic, well-spread values.
-fn det(shape: &[i64], salt: f64) -> Tensor {
+pub(crate) fn det(shape: &[i64], salt: f64) -> Tensor {
     let n: i64 = shape.iter().product();
     (Tensor::arange(n, (Kind::Double, Device::Cpu)) * 0.7548776662466927 + salt).sin().to_kind(Kind::Float).view(shape)
         * 2.0
 }
 
-fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+pub(crate) fn same_bits(a: &Tensor, b: &Tensor) -> bool {
     let bits = |t: &Tensor| t.view_dtype(if t.kind() == Kind::Float { Kind::Int } else { Kind::Int16 });
     a.kind() == b.kind() && a.size() == b.size() && bits(a).eq_tensor(&bits(b)).all().int64_value(&[]) == 1
 }
