@@ -60,6 +60,15 @@ void round_bf16(const float* in, float* out, int64_t n) {
   }
 }
 
+// split_half's portable form (and the vector form's tail).
+void split_half_scalar(float* io, uint16_t* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const c10::Half x(io[i]);
+    h[i] = x.x;
+    io[i] = static_cast<float>(x);
+  }
+}
+
 #ifdef TCH_AMP_X86
 __attribute__((target("avx2,f16c"))) void split_half_f16c(float* io, uint16_t* h, int64_t n) {
   int64_t i = 0;
@@ -68,11 +77,7 @@ __attribute__((target("avx2,f16c"))) void split_half_f16c(float* io, uint16_t* h
     _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), v);
     _mm256_storeu_ps(io + i, _mm256_cvtph_ps(v));
   }
-  for (; i < n; ++i) {
-    const c10::Half x(io[i]);
-    h[i] = x.x;
-    io[i] = static_cast<float>(x);
-  }
+  split_half_scalar(io + i, h + i, n - i);
 }
 #endif
 
@@ -84,11 +89,7 @@ void split_half(float* io, uint16_t* h, int64_t n) {
     return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    const c10::Half x(io[i]);
-    h[i] = x.x;
-    io[i] = static_cast<float>(x);
-  }
+  split_half_scalar(io, h, n);
 }
 
 bool one_pass(const at::Tensor& x) {
@@ -126,11 +127,23 @@ bool unshared(const at::Tensor& g) {
   return holders == 2 && base.use_count() == 1 && base.storage().is_alias_of(g.storage());
 }
 
+// Whether `t` may be rewritten in place by one pass: a dense fp32 CPU tensor (its memory is its
+// elements in order) that nothing else can see (`unshared`), outside inference mode.
+bool splittable(const at::Tensor& t) {
+  return one_pass(t) && !t.is_inference() && !c10::InferenceMode::is_enabled() && unshared(t);
+}
+
+// Whether a backward may overwrite gradient `g`: splittable, and not inside a differentiable
+// backward (create_graph).
+bool overwritable_gradient(const at::Tensor& g) {
+  return !c10::GradMode::is_enabled() && !g.requires_grad() && splittable(g);
+}
+
 // A gradient handed to a backward: rounded in place when nothing else can see it (see
 // `unshared`; never inside a differentiable backward), else into a new tensor. In place it is
 // read and written once, with no new memory.
 at::Tensor round_gradient(const at::Tensor& g, at::ScalarType low) {
-  if (one_pass(g) && !c10::GradMode::is_enabled() && !g.requires_grad() && !g.is_inference() && unshared(g)) {
+  if (overwritable_gradient(g)) {
     float* p = g.data_ptr<float>();
     round_into(p, p, g.numel(), low);
     weight_copies::note_rounded_in_place();
@@ -238,12 +251,6 @@ at::Tensor split(const at::Tensor& t) {
   return h;
 }
 
-// Whether `t` may be split: an fp32 CPU tensor laid out densely (its memory is its elements in
-// order, as for `h`), outside inference mode.
-bool splittable(const at::Tensor& t) {
-  return one_pass(t) && !t.is_inference() && !c10::InferenceMode::is_enabled() && unshared(t);
-}
-
 // The emulated op's output: forward, `t` (which nothing else holds) to fp16, `t` left holding
 // those values in fp32; backward, the fp16 gradient converted to fp32, or the fp32 gradient
 // the conversion's backward kept for it.
@@ -275,8 +282,7 @@ struct Widen : public torch::autograd::Function<Widen> {
     forward_stash.clear();  // a backward on this thread: what the forward kept is stale
     const at::Tensor& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor()};
-    if (!c10::GradMode::is_enabled() && handoff_on.load(std::memory_order_relaxed) && !g.requires_grad() &&
-        splittable(g)) {
+    if (handoff_on.load(std::memory_order_relaxed) && overwritable_gradient(g)) {
       at::Tensor gh = split(g);
       stash(backward_stash, gh, g);
       return {gh, at::Tensor()};
