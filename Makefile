@@ -20,6 +20,7 @@ doc: setup
 	$(CARGO) doc --no-deps
 
 lint: setup
+	python3 scripts/check-module-dag.py
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --all-targets --features cuda-tests -- -D warnings

@@ -96,9 +96,6 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .flag_if_supported("-Wno-c++20-extensions")
-        // at::parallel_for runs in parallel only in translation units built with OpenMP (ATen's
-        // ParallelOpenMP.h); the shim's own CPU kernels (grad_kernels.cpp, o2_adam.cpp) use it.
-        .flag("-fopenmp")
         .files(&sources);
     // Feature `nccl`: the NCCL backend (src/shim/nccl/), against the CUDA, crt, cccl and NCCL headers.
     println!("cargo:rerun-if-env-changed=TCH_AMP_CUDA_INCLUDE");
@@ -110,9 +107,6 @@ fn main() {
             .file("src/shim/nccl/distributed_nccl.cpp");
     }
     build.compile("tch_amp_shim");
-    // The OpenMP runtime the shim's parallel loops call: libtorch's own libgomp.so.1 (found
-    // through the rpath below; the name is the same), so one thread pool serves both.
-    println!("cargo:rustc-link-lib=dylib=gomp");
     // Tests, examples and benches of this crate find libtorch without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
     // Keep the CUDA backend as a needed library (see the crate doc above). The search path is

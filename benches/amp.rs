@@ -9,7 +9,7 @@
 //! in turn (ABAB...), after a warm-up: one untimed step, then `--steps` timed steps, per round.
 //! Each figure is the median over rounds of the per-round median, with the min/max over
 //! rounds; each ratio is computed per round (both figures from the same round) and reported
-//! the same way. Goals are judged on median ratios.
+//! the same way. It prints measurements, not verdicts.
 //!
 //! ```text
 //! cargo bench --bench amp                                   # the full table (idle machine!)
@@ -28,7 +28,7 @@ use clap::{Parser, ValueEnum};
 use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
-use tch_amp::diagnostics::{self, CastProfile};
+use tch_amp::diagnostics;
 use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, OptLevel, OptimizerConfig};
 
 #[allow(dead_code)]
@@ -135,8 +135,7 @@ struct Args {
     /// Skip the PyTorch rows.
     #[arg(long)]
     no_python: bool,
-    /// Also print where each step's time goes (zero_grad, forward, backward, unscale, step,
-    /// and inside the cast kernels).
+    /// Also print where each step's time goes (zero_grad, forward, backward, unscale, step).
     #[arg(long)]
     phases: bool,
     /// Also measure the peak bytes per parameter from scale_loss's unscale to the end of the
@@ -158,38 +157,15 @@ struct Args {
     /// is then empty).
     #[arg(long, default_value_t = 1536)]
     gemm_size: i64,
-    /// Largest slice (elements) of an fp32 master gradient O2's step makes at once (0: the
-    /// full-size master gradients made at scale_loss exit, the path before the slice-wise step).
-    #[arg(long)]
-    master_grad_slice: Option<i64>,
-    /// Add O2 rows that make the fp32 master gradients full-size at scale_loss exit (the path
-    /// before the slice-wise step), run in the same rounds.
-    #[arg(long)]
-    compare_full_size: bool,
     /// Rounds of the overflow-path measurement (clean against overflowing O2 steps on the MLP;
     /// 0 skips it).
     #[arg(long, default_value_t = 5)]
     overflow_rounds: usize,
-    /// Add O2 rows whose fused Adam/AdamW steps in three passes (the fp32 gradient a slice at a
-    /// time, libtorch's kernel, the rounding back; the same bits) instead of the single pass,
-    /// run in the same rounds.
-    #[arg(long)]
-    compare_three_pass: bool,
-    /// Add emulated O1 rows with the rounded weight copies off (on by default: the fused Adam
-    /// step writes each weight's fp16 values for the next forward;
-    /// `tch_amp::diagnostics::set_o1_weight_copies`), run in the same rounds.
-    #[arg(long)]
-    compare_no_weight_copies: bool,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
-    /// come back as fresh pages) instead of `tch_amp::cast::keep_freed_cpu_memory`, which
-    /// `initialize` applies by default; set for every row, the fp32 loop's included.
+    /// come back as fresh pages) instead of calling `tch_amp::cast::keep_freed_cpu_memory`
+    /// before the first row.
     #[arg(long)]
     system_malloc: bool,
-    /// Turn O1's output handoff off for every row (an emulated op's rounded fp32 result serving
-    /// the next conversion of its fp16 tensor to fp32, and the same in backward;
-    /// `tch_amp::diagnostics::set_o1_output_handoff`): the plain conversions, the same bits.
-    #[arg(long)]
-    no_output_handoff: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -358,19 +334,8 @@ fn flops_per_step(w: Workload) -> f64 {
 enum Config {
     /// Hand-written tch loop in fp32 (`tf32`: with TF32 on, CUDA only).
     Loop { tf32: bool },
-    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU;
-    /// `full_size`: O2's fp32 master gradients made full-size at scale_loss exit (the path
-    /// before the slice-wise step) instead of a slice at a time in `step`; `three_pass`: O2's
-    /// fused Adam in three passes instead of one; `no_copies`: O1 without its rounded weight
-    /// copies (written by the fused Adam step, read by the next forward; on by default).
-    Amp {
-        level: OptLevel,
-        dtype: Option<Kind>,
-        kernels: CpuKernels,
-        full_size: bool,
-        three_pass: bool,
-        no_copies: bool,
-    },
+    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU.
+    Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
     Torch(&'static str),
 }
@@ -389,7 +354,7 @@ impl Config {
             Config::Loop { tf32: false } => "fp32 hand-written tch loop".into(),
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
-            Config::Amp { level, dtype: Some(k), kernels, full_size, three_pass, no_copies } => {
+            Config::Amp { level, dtype: Some(k), kernels } => {
                 let how = if cuda {
                     String::new()
                 } else {
@@ -397,16 +362,7 @@ impl Config {
                     let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
                     format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
                 };
-                let full = if *full_size {
-                    ", full-size master grads"
-                } else if *three_pass {
-                    ", three-pass step"
-                } else if *no_copies {
-                    ", no weight copies"
-                } else {
-                    ""
-                };
-                format!("tch-amp {level} {}{how}{full}", dtype_name(*k))
+                format!("tch-amp {level} {}{how}", dtype_name(*k))
             }
             Config::Torch("fp32") => "PyTorch fp32".into(),
             Config::Torch("tf32") => "PyTorch TF32".into(),
@@ -424,10 +380,7 @@ impl Config {
 
     fn amp_config(&self) -> Option<AmpConfig> {
         let Config::Amp { level, dtype, kernels, .. } = *self else { return None };
-        let mut c = AmpConfig::new(level)
-            .verbosity(0)
-            .cpu_kernels(kernels)
-            .keep_freed_cpu_memory(!SYSTEM_MALLOC.load(std::sync::atomic::Ordering::Relaxed));
+        let mut c = AmpConfig::new(level).verbosity(0).cpu_kernels(kernels);
         if let Some(k) = dtype {
             c = match level {
                 OptLevel::O1 => c.low_precision_dtype(k),
@@ -443,14 +396,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
     if cuda {
         v.push(Config::Loop { tf32: true });
     }
-    v.push(Config::Amp {
-        level: OptLevel::O0,
-        dtype: None,
-        kernels: CpuKernels::Auto,
-        full_size: false,
-        three_pass: false,
-        no_copies: false,
-    });
+    v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto });
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
             let chosen = CpuFeatures::detect().auto_choice(k);
@@ -459,24 +405,7 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
                 kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
             }
             for kernels in kernels {
-                let amp = |full_size, three_pass, no_copies| Config::Amp {
-                    level,
-                    dtype: Some(k),
-                    kernels,
-                    full_size,
-                    three_pass,
-                    no_copies,
-                };
-                v.push(amp(false, false, false));
-                if args.compare_full_size && level == OptLevel::O2 {
-                    v.push(amp(true, false, false));
-                }
-                if args.compare_three_pass && level == OptLevel::O2 {
-                    v.push(amp(false, true, false));
-                }
-                if args.compare_no_weight_copies && level == OptLevel::O1 && kernels == CpuKernels::Emulate {
-                    v.push(amp(false, false, true));
-                }
+                v.push(Config::Amp { level, dtype: Some(k), kernels });
             }
         }
     }
@@ -634,33 +563,15 @@ struct AmpSession {
 }
 
 enum Runner {
-    Loop {
-        net: Net,
-        _vs: VarStore,
-        opt: HandOpt,
-        tf32: bool,
-    },
-    Amp {
-        cfg: Box<AmpConfig>,
-        full_size: bool,
-        three_pass: bool,
-        no_copies: bool,
-        vs: VarStore,
-        net: Option<Net>,
-        session: Option<Box<AmpSession>>,
-    },
-    Torch {
-        workload: Workload,
-        mode: &'static str,
-    },
+    Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
+    Amp { cfg: Box<AmpConfig>, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
+    Torch { workload: Workload, mode: &'static str },
 }
 
 struct Bench {
     args: Args,
     device: Device,
     python: Option<Python>,
-    /// The slice setting a full-size round replaced.
-    saved_slice: std::cell::Cell<i64>,
     /// Host reads (syncs on CUDA) tch-amp made in each step since the last `take`.
     syncs: std::cell::RefCell<Vec<f64>>,
 }
@@ -675,26 +586,17 @@ impl Bench {
                 let opt = HandOpt::new(&self.args, &vs);
                 Runner::Loop { net, _vs: vs, opt, tf32 }
             }
-            Config::Amp { full_size, three_pass, no_copies, .. } => {
+            Config::Amp { .. } => {
                 let net = build(w, &vs);
                 let cfg = c.amp_config().expect("an Amp config");
-                Runner::Amp { cfg: Box::new(cfg), full_size, three_pass, no_copies, vs, net: Some(net), session: None }
+                Runner::Amp { cfg: Box::new(cfg), vs, net: Some(net), session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
 
     fn begin_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { cfg, full_size, three_pass, no_copies, vs, net, session } = r {
-            if *full_size {
-                self.saved_slice.set(diagnostics::set_master_grad_slice(0));
-            }
-            if *three_pass {
-                diagnostics::set_o2_single_pass(false);
-            }
-            if *no_copies {
-                diagnostics::set_o1_weight_copies(false)?;
-            }
+        if let Runner::Amp { cfg, vs, net, session } = r {
             let amp = Amp::new(cfg)?;
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
             let opt = amp.optimizer(vs, optimizer_config(&self.args), lr(&self.args))?;
@@ -707,20 +609,11 @@ impl Bench {
     }
 
     fn end_round(&self, r: &mut Runner) -> Result<()> {
-        if let Runner::Amp { net, session, full_size, three_pass, no_copies, .. } = r {
+        if let Runner::Amp { net, session, .. } = r {
             if let Some(AmpSession { model, opt, amp }) = session.take().map(|b| *b) {
                 drop(opt);
                 *net = Some(model.into_inner());
                 drop(amp);
-            }
-            if *full_size {
-                diagnostics::set_master_grad_slice(self.saved_slice.get());
-            }
-            if *three_pass {
-                diagnostics::set_o2_single_pass(true);
-            }
-            if *no_copies {
-                diagnostics::set_o1_weight_copies(true)?;
             }
         }
         diagnostics::set_allow_tf32(false)?;
@@ -764,7 +657,6 @@ impl Bench {
                 let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
                 sync(d);
                 let t_fwd = ms_since(t);
-                let cast = diagnostics::take_cast_profile()?;
                 let mut t_bwd = 0.0;
                 let t = now();
                 s.amp.scale_loss(&loss, &mut [&mut s.opt], |scaled| {
@@ -791,7 +683,6 @@ impl Bench {
                             ("step", t_step),
                         ],
                     );
-                    record_cast(p, &cast);
                 }
             }
             Runner::Torch { .. } => bail!("PyTorch steps run in rounds"),
@@ -836,22 +727,6 @@ fn record<const N: usize>(p: &mut Phases, items: [(&'static str, f64); N]) {
     for (k, v) in items {
         p.entry(k).or_default().push(v);
     }
-}
-
-fn record_cast(p: &mut Phases, c: &CastProfile) {
-    if c.emulated_calls == 0 && c.policy_casts.is_zero() {
-        return;
-    }
-    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    record(
-        p,
-        [
-            ("fwd: O1 policy casts", ms(c.policy_casts)),
-            ("fwd: emulated inputs to fp32", ms(c.emulated_inputs)),
-            ("fwd: emulated fp32 ops", ms(c.emulated_ops)),
-            ("fwd: emulated output rounding", ms(c.emulated_outputs)),
-        ],
-    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -986,14 +861,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
     let w = Workload::Mlp;
     let (x, y) = data(w, bench.device);
     let kernels = if bench.device.is_cuda() { CpuKernels::Auto } else { CpuFeatures::detect().auto_choice(Kind::Half) };
-    let c = Config::Amp {
-        level: OptLevel::O2,
-        dtype: Some(Kind::Half),
-        kernels,
-        full_size: false,
-        three_pass: false,
-        no_copies: false,
-    };
+    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels };
     let mut r = bench.make_runner(w, c)?;
     let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
@@ -1063,11 +931,7 @@ fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_jso
 /// allocated since the model was made (`base`: the bytes held before) and still held then.
 fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i64) -> Result<Option<(f64, f64, f64)>> {
     let Runner::Amp { .. } = r else { return Ok(None) };
-    // A row without O1's weight copies drops the copies the other rows' models hold, which
-    // `base` counts: they leave the baseline too.
-    let copies_before = diagnostics::o1_weight_copies()?.bytes as i64;
     bench.begin_round(r)?;
-    let dropped = (copies_before - diagnostics::o1_weight_copies()?.bytes as i64).max(0);
     let out = (|| {
         let Runner::Amp { session: Some(s), .. } = r else { bail!("round not begun") };
         for _ in 0..2 {
@@ -1086,7 +950,7 @@ fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i
         })?;
         let state = s.opt.memory();
         // Everything allocated since this model was made counts (the batch is older).
-        let other = base - dropped;
+        let other = base;
         s.opt.step()?;
         let after = diagnostics::cpu_memory()?;
         let params = state.params.max(1) as f64;
@@ -1146,9 +1010,6 @@ fn libtorch_version() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-/// `--system-malloc`: rows built with `keep_freed_cpu_memory(false)`.
-static SYSTEM_MALLOC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = parse_device(&args.device)?;
@@ -1162,21 +1023,13 @@ fn main() -> Result<()> {
     if args.steps == 0 || args.rounds == 0 {
         bail!("--steps and --rounds must be at least 1");
     }
-    diagnostics::set_cast_profiling(args.phases)?;
-    if let Some(n) = args.master_grad_slice {
-        diagnostics::set_master_grad_slice(n);
-    }
     if args.clock == Clock::Cpu {
         if tch::get_num_threads() != 1 {
             bail!("--clock cpu measures the calling thread only: use it with --threads 1");
         }
         CPU_CLOCK.store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    // Every row in the same allocator setting: the fp32 loop runs before any `initialize`.
-    SYSTEM_MALLOC.store(args.system_malloc, std::sync::atomic::Ordering::Relaxed);
-    if args.no_output_handoff {
-        diagnostics::set_o1_output_handoff(false)?;
-    }
+    // Every row in the same allocator setting, made before the first row runs.
     let kept = !args.system_malloc && tch_amp::cast::keep_freed_cpu_memory()?;
     let python = if args.no_python { None } else { Python::start(&args)? };
     let cpu = CpuFeatures::detect();
@@ -1193,20 +1046,6 @@ fn main() -> Result<()> {
     println!(
         "- C allocator: {} (PyTorch rows: the Python process's own)",
         if kept { "freed memory kept for reuse (tch_amp::cast::keep_freed_cpu_memory)" } else { "glibc defaults" }
-    );
-    println!(
-        "- O2 fused Adam/AdamW step: {}",
-        match diagnostics::o2_single_pass_form(false)? {
-            Some(form) => format!("single pass ({form})"),
-            None => "three passes (no single-pass form reproduces libtorch's kernel here)".to_string(),
-        }
-    );
-    println!(
-        "- O1 with emulation: weights used once per forward rounded by one node, or read from the rounded \
-         copy the fused Adam/AdamW step wrote (unless a row says no weight copies); fp16 rounding: {}; \
-         output handoff: {}",
-        if diagnostics::o1_rounding_vectorized()? { "vector (F16C)" } else { "portable loop" },
-        if args.no_output_handoff { "off" } else { "on" }
     );
     println!(
         "- versions: tch-amp {}, tch 0.26.0, libtorch {}, PyTorch {}",
@@ -1226,13 +1065,7 @@ fn main() -> Result<()> {
         args.warmup,
         if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
     );
-    let mut bench = Bench {
-        args,
-        device,
-        python,
-        saved_slice: std::cell::Cell::new(0),
-        syncs: std::cell::RefCell::new(Vec::new()),
-    };
+    let mut bench = Bench { args, device, python, syncs: std::cell::RefCell::new(Vec::new()) };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
     for &w in &bench.args.workloads.clone() {
@@ -1301,7 +1134,6 @@ fn main() -> Result<()> {
         print_workload(w, flops, gemm, &rows, &bench.args);
         out.push(WorkloadOut { workload: w, description: w.describe(), gflop_per_step: flops / 1e9, rows });
     }
-    print_goals(&out);
     let overflow = if bench.args.overflow_rounds > 0 {
         Some(overflow_cost(&bench, bench.args.overflow_rounds, bench.args.steps)?)
     } else {
@@ -1371,37 +1203,6 @@ fn print_workload(w: Workload, flops: f64, gemm: f64, rows: &[RowOut], args: &Ar
             let cells: Vec<String> =
                 names.iter().map(|n| r.phases.get(n).map_or("-".into(), |v| format!("{v:.2}"))).collect();
             println!("| {} | {} |", r.label, cells.join(" | "));
-        }
-    }
-}
-
-fn print_goals(out: &[WorkloadOut]) {
-    println!();
-    println!("## Goals (median ratio per round [min–max])");
-    println!();
-    println!("| goal | workload | measured | met |");
-    println!("|---|---|---:|---|");
-    for w in out {
-        let find = |label: &str| w.rows.iter().find(|r| r.label.starts_with(label));
-        if let Some(o0) = find("tch-amp O0") {
-            println!(
-                "| O0 <= 1.02x the hand-written fp32 loop (same update) | {} | {} | {} |",
-                w.workload.name(),
-                o0.vs_loop.show(3),
-                if o0.vs_loop.median <= 1.02 { "yes" } else { "no" }
-            );
-        }
-        for (label, goal) in [("tch-amp O2 fp16 (emulated", 1.10), ("tch-amp O1 fp16 (emulated", 1.05)] {
-            // Without an O0 row (`--only` left it out) there is no ratio to judge.
-            if let Some(s) = find(label).and_then(|r| r.vs_o0) {
-                println!(
-                    "| {} <= {goal:.2}x O0 | {} | {} | {} |",
-                    label["tch-amp ".len()..].replace(" (", " ").trim_end_matches(", Auto's choice"),
-                    w.workload.name(),
-                    s.show(3),
-                    if s.median <= goal { "yes" } else { "no" }
-                );
-            }
         }
     }
 }

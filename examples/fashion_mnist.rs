@@ -40,7 +40,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::nn::{self, ModuleT};
 use tch::Device;
-use tch_amp::{initialize, AmpConfig, CpuKernels, OptLevel, ScaleChange, StepOutcome};
+use tch_amp::scaling::ScaleChange;
+use tch_amp::{initialize, AmpConfig, CpuKernels, OptLevel, StepOutcome};
 
 use common::data::{Dataset, Split, DEFAULT_DATA_DIR};
 use common::log::{StepLog, StepRecord};

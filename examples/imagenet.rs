@@ -45,7 +45,8 @@ use tch_amp::distributed::{
     save_checkpoint_on_rank0, sync_batch_norm, DdpOptions, DistributedDataParallel, DistributedSampler, ProcessGroup,
     ReduceOp,
 };
-use tch_amp::torch_checkpoint::{load_torch_checkpoint, TorchLoadOptions};
+use tch_amp::load_torch_checkpoint;
+use tch_amp::torch_checkpoint::TorchLoadOptions;
 use tch_amp::torch_io::Value;
 use tch_amp::{initialize, load_checkpoint, save_checkpoint, FusedSgd, OptimizerConfig, StepOutcome};
 

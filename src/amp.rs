@@ -16,7 +16,7 @@ use crate::optim::{
     build_entries, resolve, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
     UpdateRule,
 };
-use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport};
+use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -83,35 +83,6 @@ impl CastRuntime {
     }
 }
 
-/// Options of one [`Amp::scale_loss_with`] call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ScaleLossOptions {
-    /// Which loss scaler (`0..num_losses`).
-    pub loss_id: usize,
-    /// Keep the gradients scaled and accumulate them; no unscale, no overflow check, no scale
-    /// update until a later call without it (Apex's `delay_unscale`).
-    pub delay_unscale: bool,
-}
-
-/// What one `scale_loss` did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScaleLossOutcome {
-    /// The loss scaler used.
-    pub loss_id: usize,
-    /// The scale the loss was multiplied by.
-    pub loss_scale: f64,
-    /// inf/NaN found in the new gradients (always false for static scaling and delayed passes).
-    pub overflow: bool,
-    /// The scaler's scale after this pass.
-    pub new_loss_scale: f64,
-    /// The gradients were left scaled (`delay_unscale`).
-    pub delayed: bool,
-    /// The loss went to `backward` unscaled and unchecked (disabled AMP, or static scale 1.0
-    /// without master weights, as in Apex, unless
-    /// [`crate::AmpConfig::check_static_overflow`] is on).
-    pub passed_through: bool,
-}
-
 /// The state `initialize` creates: resolved [`Properties`] and one [`LossScaler`] per loss.
 ///
 /// Not `Send`: the cast policy (O1, or the CPU emulation under O2/O3) is active on the thread
@@ -159,15 +130,6 @@ impl Amp {
                 CpuFeatures::detect().name,
                 CpuFeatures::detect().summary()
             );
-        }
-        if props.keep_freed_cpu_memory() {
-            let kept = crate::cast::keep_freed_cpu_memory()?;
-            if props.verbosity() >= 2 {
-                println!(
-                    "tch-amp: freed CPU memory kept for reuse by the C allocator: {}",
-                    if kept { "yes (glibc mallopt)" } else { "no (not glibc)" }
-                );
-            }
         }
         let casts = CastRuntime::for_properties(&props, plan)?;
         Ok(Self {
@@ -567,12 +529,12 @@ impl Amp {
         let found_inf = Tensor::f_zeros([1], (Kind::Float, device)).ctx("found_inf")?;
         let inv_scale = Tensor::f_full([1], 1.0 / scale, (Kind::Float, device)).ctx("inv_scale")?;
         for o in optimizers.iter_mut() {
-            o.end_backward(&found_inf, &inv_scale, scale)?;
+            o.end_backward(&found_inf, &inv_scale)?;
         }
         if !dynamic {
             return Ok(false);
         }
-        crate::diagnostics::note_host_read();
+        crate::counters::note_host_read();
         Ok(found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
 

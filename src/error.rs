@@ -128,10 +128,10 @@ pub enum AmpError {
         /// What differs.
         message: String,
     },
-    /// A strict partial load ([`crate::load_model_weights`], [`crate::load_optimizer_state`])
+    /// A strict partial load ([`crate::checkpoint::load_model_weights`], [`crate::checkpoint::load_optimizer_state`])
     /// found keys on one side only (torch's `load_state_dict(strict=True)` error); nothing was
     /// changed. Load with `strict = false` to load what matches and get these as a
-    /// [`crate::LoadReport`].
+    /// [`crate::checkpoint::LoadReport`].
     #[error(
         "strict load of {what}: missing keys {missing_keys:?}, unexpected keys {unexpected_keys:?}; nothing was \
          loaded (load with strict = false to load the keys that match)"
@@ -163,16 +163,6 @@ pub enum AmpError {
         #[source]
         source: std::io::Error,
     },
-    /// A `torch.save` file that cannot be read or written (see [`crate::torch_io`]).
-    #[error(transparent)]
-    TorchFile(#[from] crate::torch_io::TorchIoError),
-    /// A `torch.save` checkpoint that does not fit the model, optimizers or `Amp` it is loaded
-    /// into (see [`crate::torch_checkpoint`]); nothing was changed.
-    #[error(transparent)]
-    TorchCheckpoint(#[from] crate::torch_checkpoint::TorchCheckpointError),
-    /// A distributed-training operation failed (see [`crate::distributed`]).
-    #[error(transparent)]
-    Distributed(Box<crate::distributed::DistError>),
     /// An aten operator name that the dispatcher does not know.
     #[error("unknown aten op {name:?}: {message}")]
     UnknownOp {
@@ -393,14 +383,5 @@ impl From<TchError> for AmpError {
 impl From<crate::config::ParseOptLevelError> for AmpError {
     fn from(e: crate::config::ParseOptLevelError) -> Self {
         AmpError::UnknownOptLevel { name: e.name().to_string() }
-    }
-}
-
-impl From<crate::distributed::DistError> for AmpError {
-    fn from(e: crate::distributed::DistError) -> Self {
-        match e {
-            crate::distributed::DistError::Amp { source } => source,
-            other => AmpError::Distributed(Box::new(other)),
-        }
     }
 }

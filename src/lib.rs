@@ -10,7 +10,7 @@
 //! - [`AmpConfig`]: an [`OptLevel`] (O0 fp32, O1 per-op casts, O2 fp16 model with fp32 masters,
 //!   O3 pure fp16) plus Apex's overrides; [`AmpConfig::build`] checks Apex's rules and gives
 //!   [`Properties`].
-//! - [`Amp`]: the loss scalers (one per loss, [`LossScaler`]) and `scale_loss`.
+//! - [`Amp`]: the loss scalers (one per loss, [`scaling::LossScaler`]) and `scale_loss`.
 //! - [`AmpModel`]: the model wrapper (inputs to fp16, outputs to fp32 under O2/O3).
 //! - [`AmpOptimizer`]: SGD/Adam/AdamW/RMSprop (tch's configs) stepping the fp32 masters;
 //!   `step()` says whether it stepped or skipped after an overflow.
@@ -52,47 +52,48 @@
 //! ```
 //!
 //! ## The public API, by concept
-//! Each item has one path.
-//! - **Configuration** (`src/config/`): [`AmpConfig`], [`OptLevel`] (and
-//!   [`ParseOptLevelError`]), [`LevelDefaults`] (a row of Apex's table, from `opt_levels/`),
-//!   [`LossScale`], [`Properties`] (the resolved options), [`CastSettings`] (the cast engine's
-//!   switches), [`CpuKernels`] (native or emulated fp16/bf16 GEMMs on CPU).
-//! - **Set-up** (`src/amp.rs`, `src/model.rs`): [`initialize`], [`Amp`], [`AmpModel`],
-//!   [`CastReport`].
-//! - **Loss scaling** (`src/scaling/`): [`Amp::scale_loss`] with [`ScaleLossOptions`] and
-//!   [`ScaleLossOutcome`], [`LossScaler`] (with [`ScaleChange`], [`ScaleChangeReason`]),
-//!   [`OverflowReport`] and [`NonFiniteGrad`] (which parameters overflowed),
-//!   [`ScalerState`] and [`AmpState`] (`amp.state_dict()`), [`unscale_`].
-//! - **Optimizers** (`src/optim/`): [`AmpOptimizer`], [`OptimizerConfig`] (torch.optim's
-//!   SGD/Adam/AdamW/RMSprop by tch's configs, Apex's [`FusedSgd`], [`FusedAdam`], [`FusedLamb`],
-//!   [`FusedNovoGrad`] ([`NovoGradNorm`]), [`FusedAdagrad`]), [`ParamGroup`] (torch's
-//!   `param_groups` with their own hyper-parameters), [`UpdateRule`] (a user's own optimizer,
-//!   with [`HyperParams`], [`ParamState`], [`GroupView`], [`ParamView`], [`StateSpec`],
-//!   [`StateShape`]), [`StepOutcome`], [`MemoryReport`], [`OptimizerRecord`], [`GroupRecord`] and
-//!   [`ParamRecord`] (what an optimizer saves).
-//! - **Checkpoints** (`src/checkpoint.rs`): [`save_checkpoint`], [`load_checkpoint`], and the
-//!   partial loads [`load_model_weights`] and [`load_optimizer_state`] ([`LoadReport`]).
-//! - **Legacy API** (`src/fp16_utils/`): the module [`fp16_utils`], Apex's `apex.fp16_utils`
-//!   (`FP16_Optimizer`, `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
-//! - **Casts** (`src/cast/`): [`CastPolicy`] (Apex's O1 lists as data, user casts),
-//!   [`disable_casts`] / [`without_casts`] ([`DisableCastsGuard`]); the engine itself for custom
-//!   set-ups in the module [`cast`].
-//! - **PyTorch files** (`src/torch_io/`): the module [`torch_io`] reads every container
-//!   `torch.save` has written (zip, legacy pickle stream, tar) into a [`torch_io::Value`] tree
-//!   with tch tensors, and writes the zip format `torch.load` reads (`weights_only=True` too).
-//! - **PyTorch/Apex checkpoints** (`src/torch_checkpoint/`): [`load_torch_checkpoint`] resumes
-//!   from what an Apex script saved with `torch.save` (model, torch.optim and amp state dicts),
-//!   [`save_torch_checkpoint`] writes what its resume code reads; options
-//!   [`TorchLoadOptions`] / [`TorchSaveOptions`], the mapping of torch.optim's state dict to
-//!   [`OptimizerRecord`] in the module [`torch_checkpoint`].
-//! - **Errors** (`src/error.rs`): [`AmpError`], [`Result`].
+//! The crate root holds what a ported script types; everything else lives in the module of its
+//! concept. Each item has one path.
+//! - **Root**: [`initialize`], [`Amp`], [`AmpConfig`], [`OptLevel`], [`LossScale`],
+//!   [`Properties`], [`AmpModel`], [`AmpOptimizer`], [`StepOutcome`], [`OptimizerConfig`]
+//!   (torch.optim's SGD/Adam/AdamW/RMSprop by tch's configs), Apex's [`FusedSgd`],
+//!   [`FusedAdam`], [`FusedLamb`], [`FusedNovoGrad`], [`FusedAdagrad`], [`ParamGroup`] (torch's
+//!   `param_groups`), [`UpdateRule`] (a user's own optimizer), [`ScaleLossOptions`],
+//!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
+//!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
+//!   [`CpuKernels`], [`AmpError`], [`Result`].
+//! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
+//!   [`config::ParseOptLevelError`].
+//! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
+//!   [`model::CastReport`].
+//! - [`scaling`] (`src/scaling/`): [`scaling::LossScaler`] and its history
+//!   ([`scaling::ScaleChange`]), [`scaling::ScaleLossOutcome`], [`scaling::OverflowReport`]
+//!   (which parameters overflowed), [`scaling::AmpState`] (`amp.state_dict()`).
+//! - [`optim`] (`src/optim/`): what an [`UpdateRule`] works on ([`optim::HyperParams`],
+//!   [`optim::GroupView`], [`optim::ParamView`], [`optim::StateSpec`]), what an optimizer
+//!   saves ([`optim::OptimizerRecord`]), [`optim::MemoryReport`], [`optim::unscale_`].
+//! - [`checkpoint`] (`src/checkpoint/`): the partial loads [`checkpoint::load_model_weights`]
+//!   and [`checkpoint::load_optimizer_state`].
+//! - [`cast`] (`src/cast/`): the cast engine for custom set-ups, [`cast::CastSettings`],
+//!   [`cast::CpuFeatures`], libtorch's own autocast ([`cast::AutocastGuard`]).
+//! - [`fp16_utils`] (`src/fp16_utils/`): Apex's `apex.fp16_utils` (`FP16_Optimizer`,
+//!   `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
+//! - [`torch_io`] (`src/torch_io/`): reads what `torch.save` writes into a
+//!   [`torch_io::Value`] tree with tch tensors, and writes the zip format `torch.load` reads
+//!   (`weights_only=True` too).
+//! - [`torch_checkpoint`] (`src/torch_checkpoint/`): the options and mappings of PyTorch/Apex
+//!   checkpoints ([`torch_checkpoint::TorchLoadOptions`], torch.optim's state dict as an
+//!   [`optim::OptimizerRecord`]), and their errors.
+//! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
+//! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
+//!   [`distributed`] have their own error types, which wrap [`AmpError`] where they need to.
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
 //!
 //! ## Where tch-amp differs from Apex, and why
 //! - Resume is bit-exact: checkpoints hold the fp32 masters and the optimizer state (Apex
 //!   rebuilds masters from the fp16 model, losing bits).
-//! - The dynamic scale has a floor ([`LossScaler::DEFAULT_MIN_LOSS_SCALE`], 2^-24) when
+//! - The dynamic scale has a floor ([`scaling::LossScaler::DEFAULT_MIN_LOSS_SCALE`], 2^-24) when
 //!   `min_loss_scale` is not given (Apex's could decay to denormals).
 //! - `step()` returns [`StepOutcome`]; `clip_grad_norm` returns the norm, computed in fp32.
 //! - Loading a state or checkpoint validates everything first and applies nothing on error.
@@ -100,43 +101,46 @@
 //!   optimizers expose no state to checkpoint); Adam and AdamW use libtorch's fused kernel.
 //! - Everything runs on CPU too (Apex rejects CPU tensors).
 #![deny(missing_docs)]
+#![deny(unsafe_code)]
 
 mod amp;
+mod atomic_file;
 pub mod cast;
-mod checkpoint;
-mod config;
+pub mod checkpoint;
+pub mod config;
+mod counters;
 #[doc(hidden)]
 pub mod diagnostics;
 pub mod distributed;
 mod dtype;
 mod error;
 pub mod fp16_utils;
-mod model;
-mod optim;
-mod scaling;
+pub mod model;
+pub mod optim;
+pub mod scaling;
+#[allow(unsafe_code)]
 mod sys;
 pub mod torch_checkpoint;
 pub mod torch_io;
 
-pub use amp::{initialize, Amp, ScaleLossOptions, ScaleLossOutcome};
+pub use amp::{initialize, Amp};
+pub use cast::cpu::CpuKernels;
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
-pub use cast::settings::CastSettings;
-pub use cast::CpuKernels;
-pub use cast::DisableCastsGuard;
-pub use checkpoint::{load_checkpoint, load_model_weights, load_optimizer_state, save_checkpoint, LoadReport};
-pub use config::{AmpConfig, LevelDefaults, LossScale, OptLevel, ParseOptLevelError, Properties};
+pub use checkpoint::file::{load_checkpoint, save_checkpoint};
+pub use config::builder::AmpConfig;
+pub use config::loss_scale::LossScale;
+pub use config::opt_level::OptLevel;
+pub use config::properties::Properties;
 pub use error::{AmpError, Result};
-pub use model::{AmpInputs, AmpModel, CastReport};
-pub use optim::{
-    non_finite_check_, unscale_, Algorithm, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd,
-    GroupRecord, GroupView, HyperParams, MemoryReport, NovoGradNorm, OptimizerConfig, OptimizerRecord, ParamGroup,
-    ParamRecord, ParamState, ParamView, StateShape, StateSpec, StepOutcome, UpdateRule,
-};
-pub use scaling::{AmpState, LossScaler, NonFiniteGrad, OverflowReport, ScaleChange, ScaleChangeReason, ScalerState};
-pub use torch_checkpoint::{
-    load_torch_checkpoint, save_torch_checkpoint, TorchLoadOptions, TorchLoadReport, TorchSaveOptions,
-};
+pub use model::wrapper::AmpModel;
+pub use optim::amp_optimizer::{AmpOptimizer, StepOutcome};
+pub use optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd};
+pub use optim::groups::ParamGroup;
+pub use optim::rule::UpdateRule;
+pub use optim::rules::OptimizerConfig;
+pub use scaling::scale_loss::ScaleLossOptions;
+pub use torch_checkpoint::file::{load_torch_checkpoint, save_torch_checkpoint};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.
 #[cfg(doctest)]

@@ -23,11 +23,13 @@ use common::reference::{bits_equal, describe_diff, Fixture};
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::torch_checkpoint::{
-    self, load_torch_checkpoint, load_torch_checkpoint_value, save_torch_checkpoint, KeyPrefix, TorchCheckpointError,
-    TorchLoadOptions, TorchSaveOptions,
+    self, load_torch_checkpoint_value, KeyPrefix, TorchCheckpointError, TorchLoadOptions, TorchSaveOptions,
 };
 use tch_amp::torch_io::{self, Dict, Key, TorchIoError, Value};
-use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, OptimizerConfig};
+use tch_amp::{
+    load_torch_checkpoint, save_torch_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel,
+    OptimizerConfig,
+};
 
 // ---------------------------------------------------------------------------------------------
 // The Python side
@@ -358,7 +360,7 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
     let before = snapshot(&s);
     let opts = TorchLoadOptions::main_amp().key_prefix(KeyPrefix::Keep);
     match load_torch_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp, &opts) {
-        Err(AmpError::TorchCheckpoint(TorchCheckpointError::KeysMismatch { missing, unexpected })) => {
+        Err(TorchCheckpointError::KeysMismatch { missing, unexpected }) => {
             // The 8 variables (6 parameters, 2 running statistics) and the file's 8 prefixed keys
             // (its num_batches_tracked is ignored, not unexpected).
             assert_eq!((missing.len(), unexpected.len()), (8, 8), "{missing:?} {unexpected:?}");
@@ -380,7 +382,7 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
         load_torch_checkpoint(&half, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new().exact_dtypes(true))
             .unwrap_err();
     assert!(
-        matches!(&err, AmpError::TorchCheckpoint(TorchCheckpointError::DtypeMismatch { found: Kind::Half, target, .. }) if target == "fc1.weight"),
+        matches!(&err, TorchCheckpointError::DtypeMismatch { found: Kind::Half, target, .. } if target == "fc1.weight"),
         "{err}"
     );
     assert!(same_snapshot(&before, &snapshot(&s)));
@@ -407,7 +409,7 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
         &TorchLoadOptions::new(),
     )
     .unwrap_err();
-    assert!(matches!(err, AmpError::TorchCheckpoint(TorchCheckpointError::ParamOrder { .. })), "{err}");
+    assert!(matches!(err, TorchCheckpointError::ParamOrder { .. }), "{err}");
     println!("{err}");
     assert!(same_snapshot(&before, &snapshot(&s)));
     let order = vec![
@@ -549,7 +551,7 @@ fn saved_layouts_main_amp_prefix_counters_and_option_errors() {
                 .to_vec()],
         )),
     ] {
-        assert!(matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::Options { .. })), "{e}");
+        assert!(matches!(e, TorchCheckpointError::Options { .. }), "{e}");
     }
 }
 
@@ -606,7 +608,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let before = snapshot(&s);
     let dir = tempfile::tempdir().unwrap();
     let mut case = 0;
-    let mut check = |what: &str, bytes: Vec<u8>, ok: &dyn Fn(&AmpError) -> bool| {
+    let mut check = |what: &str, bytes: Vec<u8>, ok: &dyn Fn(&TorchCheckpointError) -> bool| {
         case += 1;
         let p = dir.path().join(format!("case{case}.pt"));
         std::fs::write(&p, bytes).unwrap();
@@ -616,17 +618,17 @@ fn bad_files_give_typed_errors_and_change_nothing() {
         assert!(ok(&err), "{what}: unexpected error {err:?}");
         assert!(same_snapshot(&before, &snapshot(&s)), "{what}: the failed load changed something");
     };
-    let file = |e: &AmpError| matches!(e, AmpError::TorchFile(_));
+    let file = |e: &TorchCheckpointError| matches!(e, TorchCheckpointError::File(_));
     check("truncated zip", good[..good.len() / 2].to_vec(), &file);
     check("truncated legacy", legacy[..legacy.len() - 100].to_vec(), &file);
     let mut wrong_magic = legacy.clone();
     wrong_magic[5] ^= 0x40; // inside the magic number's LONG1 bytes
-    check("wrong magic", wrong_magic, &|e| matches!(e, AmpError::TorchFile(TorchIoError::BadMagic { .. })));
+    check("wrong magic", wrong_magic, &|e| matches!(e, TorchCheckpointError::File(TorchIoError::BadMagic { .. })));
     check("not a torch file", b"PK\x03\x04 nothing".to_vec(), &file);
     check(
         "a disallowed global (argparse.Namespace)",
         std::fs::read(f.path("with_args.pt")).unwrap(),
-        &|e| matches!(e, AmpError::TorchFile(TorchIoError::DisallowedGlobal { module, name, .. }) if module == "argparse" && name == "Namespace"),
+        &|e| matches!(e, TorchCheckpointError::File(TorchIoError::DisallowedGlobal { module, name, .. }) if module == "argparse" && name == "Namespace"),
     );
     for key in ["optimizer", "amp", "model"] {
         let mut t = tree();
@@ -634,7 +636,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
             d.remove(&Key::from(key));
         }
         check(&format!("missing {key}"), checkpoint_bytes(&t), &|e| {
-            matches!(e, AmpError::TorchFile(TorchIoError::MissingKey { .. }))
+            matches!(e, TorchCheckpointError::File(TorchIoError::MissingKey { .. }))
         });
     }
     let mut t = tree();
@@ -646,27 +648,25 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "a missing model key",
         checkpoint_bytes(&t),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::KeysMismatch { missing, unexpected }) if missing == &["fc2.bias"] && unexpected.is_empty()),
+        &|e| matches!(e, TorchCheckpointError::KeysMismatch { missing, unexpected } if missing == &["fc2.bias"] && unexpected.is_empty()),
     );
     let mut t = tree();
     edit(&mut t, &["model", "fc1.weight"], |v| *v = Value::Tensor(Tensor::zeros([32, 15], (Kind::Float, Device::Cpu))));
     check(
         "a shape mismatch",
         checkpoint_bytes(&t),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ShapeMismatch { found, .. }) if found == &[32, 15]),
+        &|e| matches!(e, TorchCheckpointError::ShapeMismatch { found, .. } if found == &[32, 15]),
     );
     let mut t = tree();
     edit(&mut t, &["model", "bn1.running_var"], |v| *v = Value::Tensor(Tensor::ones([32], (Kind::Int64, Device::Cpu))));
     check("a dtype mismatch", checkpoint_bytes(&t), &|e| {
-        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::DtypeMismatch { found: Kind::Int64, .. }))
+        matches!(e, TorchCheckpointError::DtypeMismatch { found: Kind::Int64, .. })
     });
     let mut t = tree();
     edit(&mut t, &["model", "fc2.bias"], |v| {
         *v = Value::Tensor(Tensor::full([10], f64::NAN, (Kind::Float, Device::Cpu)))
     });
-    check("a NaN weight", checkpoint_bytes(&t), &|e| {
-        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::NonFinite { .. }))
-    });
+    check("a NaN weight", checkpoint_bytes(&t), &|e| matches!(e, TorchCheckpointError::NonFinite { .. }));
     let mut t = tree();
     edit(&mut t, &["optimizer", "state"], |st| {
         if let Value::Dict(d) = st {
@@ -682,7 +682,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "an inf momentum",
         checkpoint_bytes(&t),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::NonFinite { path }) if path == "optimizer.state.0.momentum_buffer"),
+        &|e| matches!(e, TorchCheckpointError::NonFinite { path } if path == "optimizer.state.0.momentum_buffer"),
     );
     let mut t = tree();
     edit(&mut t, &["optimizer", "state"], |st| {
@@ -698,7 +698,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "a state of the wrong shape",
         checkpoint_bytes(&t),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ShapeMismatch { target, .. }) if target == "fc1.bias"),
+        &|e| matches!(e, TorchCheckpointError::ShapeMismatch { target, .. } if target == "fc1.bias"),
     );
     // An optimizer state for another parameter count: the last parameter of group 1 dropped.
     let mut t = tree();
@@ -715,7 +715,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
         }
     });
     check("another parameter count", checkpoint_bytes(&t), &|e| {
-        matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::ParamCount { in_file: 5, in_optimizer: 6, .. }))
+        matches!(e, TorchCheckpointError::ParamCount { in_file: 5, in_optimizer: 6, .. })
     });
     let mut t = tree();
     edit(&mut t, &["optimizer", "param_groups"], |gs| {
@@ -727,21 +727,23 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "another momentum",
         checkpoint_bytes(&t),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::HyperParameter { name, .. }) if name == "momentum"),
+        &|e| matches!(e, TorchCheckpointError::HyperParameter { name, .. } if name == "momentum"),
     );
     // An Adam checkpoint into this SGD optimizer.
     check(
         "another optimizer class",
         std::fs::read(f.path("adam_o2.zip.pt")).unwrap(),
-        &|e| matches!(e, AmpError::TorchCheckpoint(TorchCheckpointError::OptimizerKind { in_file, .. }) if in_file == "Adam"),
+        &|e| matches!(e, TorchCheckpointError::OptimizerKind { in_file, .. } if in_file == "Adam"),
     );
     let mut t = tree();
     edit(&mut t, &["amp", "loss_scaler0", "loss_scale"], |v| *v = Value::Float(-1.0));
-    check("a negative loss scale", checkpoint_bytes(&t), &|e| matches!(e, AmpError::StateMismatch { .. }));
+    check("a negative loss scale", checkpoint_bytes(&t), &|e| {
+        matches!(e, TorchCheckpointError::Amp(AmpError::StateMismatch { .. }))
+    });
     let mut t = tree();
     edit(&mut t, &["model"], |m| *m = Value::List(vec![]));
     check("a model that is no dict", checkpoint_bytes(&t), &|e| {
-        matches!(e, AmpError::TorchFile(TorchIoError::TypeMismatch { .. }))
+        matches!(e, TorchCheckpointError::File(TorchIoError::TypeMismatch { .. }))
     });
 }
 

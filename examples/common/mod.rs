@@ -13,9 +13,11 @@ pub mod plot;
 pub mod progress;
 pub mod train;
 
-/// The examples' `main`: runs `body` and prints an error as one line (with its causes),
-/// without a backtrace, exiting with status 1.
+/// The examples' `main`: opts in to keeping freed CPU memory for reuse (a program's choice,
+/// `tch_amp::cast::keep_freed_cpu_memory`), runs `body` and prints an error as one line (with
+/// its causes), without a backtrace, exiting with status 1.
 pub fn main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    let _ = tch_amp::cast::keep_freed_cpu_memory();
     match body() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -161,25 +161,23 @@ pub(crate) fn resolve(mode: CpuKernels, kind: Kind) -> CpuKernels {
 }
 
 /// Sets the C allocator to keep freed memory for reuse, once per process; returns whether it is
-/// in effect (false where the C library is not glibc).
+/// in effect (false where the C library is not glibc). tch-amp never calls it: it is an opt-in
+/// for the program that owns the process (the examples and the benchmark call it).
 ///
 /// libtorch allocates CPU tensors with `posix_memalign`. glibc's malloc serves blocks above a
 /// threshold (128 KiB at first, raised as such blocks are freed) with a fresh `mmap` and trims
 /// the heap's free top back to the kernel, so a training loop that frees and reallocates the
 /// same multi-MiB tensors every step (the fp32 copies of fp16 weights an emulated GEMM
 /// multiplies, the weight gradients) gets them back as new zeroed pages: one page fault per
-/// 4 KiB. Measured on the MLP benchmark (1.86 M parameters, O2 with fp16 emulation) on a 2-core
-/// AMD EPYC: about 2,000 page faults per step and 1.36x O0's step time with glibc's defaults,
-/// 1.17x with this setting (`cargo bench --bench amp`, BENCHMARKS.md). PyTorch's own CPU
-/// performance guide recommends jemalloc or tcmalloc for the same reason.
+/// 4 KiB. PyTorch's own CPU performance guide recommends jemalloc or tcmalloc for the same
+/// reason.
 ///
 /// The setting: blocks up to 32 MiB come from the heap (`M_MMAP_THRESHOLD`), and the heap keeps
 /// up to 1 GiB of free space at its top (`M_TRIM_THRESHOLD`). The process's resident memory
 /// then stays at its peak instead of shrinking between steps, as with the CUDA caching
 /// allocator. Process-wide, and it stays once made (`mallopt` has no way back to glibc's
-/// adaptive defaults). [`crate::initialize`] calls it unless
-/// [`crate::AmpConfig::keep_freed_cpu_memory`] is false; `MALLOC_*`/`GLIBC_TUNABLES` settings
-/// of the environment are replaced by it.
+/// adaptive defaults); `MALLOC_*`/`GLIBC_TUNABLES` settings of the environment are replaced by
+/// it.
 ///
 /// # Errors
 /// [`crate::AmpError::Shim`] if the shim call itself fails (not expected).

@@ -13,7 +13,7 @@ struct EmulationList {
 }
 
 /// The exact aten overloads whose fp16/bf16 CPU calls are emulated in fp32 when
-/// [`crate::CastSettings::emulates`] the type (GEMMs and convolutions, see
+/// [`crate::cast::CastSettings::emulates`] the type (GEMMs and convolutions, see
 /// `opt_levels/emulate_cpu.toml` for the list and the numerical contract).
 ///
 /// # Errors

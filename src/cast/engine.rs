@@ -65,7 +65,8 @@ static STANDARD_REGISTERED: OnceCell<()> = OnceCell::new();
 /// # fn main() -> Result<(), tch_amp::AmpError> {
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
 /// use tch_amp::cast::install_policy;
-/// use tch_amp::{CastPolicy, CastSettings};
+/// use tch_amp::CastPolicy;
+/// use tch_amp::cast::CastSettings;
 /// let vs = nn::VarStore::new(Device::Cpu);
 /// let linear = nn::linear(vs.root(), 4, 4, Default::default());
 /// let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));

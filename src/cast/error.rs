@@ -14,7 +14,8 @@ use crate::error::AmpError;
 /// # fn main() -> Result<(), tch_amp::AmpError> {
 /// use tch::{Device, Kind, Reduction, Tensor};
 /// use tch_amp::cast::{classify_torch_error, install_policy};
-/// use tch_amp::{AmpError, CastPolicy, CastSettings};
+/// use tch_amp::{AmpError, CastPolicy};
+/// use tch_amp::cast::CastSettings;
 /// let handle = install_policy(CastPolicy::apex(), CastSettings::default())?;
 /// let _active = handle.activate(Device::Cpu)?;
 /// let p = Tensor::full([4], 0.5, (Kind::Half, Device::Cpu));

@@ -37,7 +37,7 @@
 //!   the fp32 list; Apex applied it to `torch.*`/`Tensor.*` functions only.
 //! - The weight-cast cache recasts a weight changed in place, is correct after `no_grad`
 //!   evaluation and supports a weight used twice in one forward.
-//! - bf16 can be the low-precision type ([`crate::CastSettings::low_precision_dtype`]).
+//! - bf16 can be the low-precision type ([`CastSettings::low_precision_dtype`]).
 //! - On CPU, fp16/bf16 GEMMs and convolutions run libtorch's native kernels where the CPU has
 //!   fast ones for the type and are emulated in fp32 elsewhere ([`crate::CpuKernels`],
 //!   [`CpuFeatures`]).
@@ -57,11 +57,12 @@ pub(crate) mod settings;
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
-pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures, CpuKernels};
+pub(crate) use cpu::CpuKernels;
+pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures};
 pub use disable::DisableCastsGuard;
 pub use engine::{install_policy, ActivePolicyGuard, PolicyHandle};
 pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};
 pub use error::classify_torch_error;
 pub(crate) use policy::CastPolicy;
 pub use policy::{Cast, CastLists, UserCasts};
-pub(crate) use settings::CastSettings;
+pub use settings::CastSettings;

@@ -24,7 +24,7 @@ pub enum Cast {
     /// down); Apex's `CASTS` and `SEQUENCE_CASTS`.
     Promote,
     /// Refuse fp16/bf16 inputs with [`AmpError::BannedOp`] (or run in fp32 when
-    /// [`crate::CastSettings::allow_banned`] is set); Apex's `BANNED_FUNCS`.
+    /// [`crate::cast::CastSettings::allow_banned`] is set); Apex's `BANNED_FUNCS`.
     Banned,
 }
 

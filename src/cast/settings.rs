@@ -8,7 +8,8 @@ use super::cpu::{resolve, CpuKernels};
 ///
 /// ```
 /// use tch::Kind;
-/// use tch_amp::{CastSettings, CpuKernels};
+/// use tch_amp::CpuKernels;
+/// use tch_amp::cast::CastSettings;
 /// let bf16 = CastSettings::default().low_precision_dtype(Kind::BFloat16).allow_banned(true);
 /// assert_eq!(bf16.low_precision_dtype, Kind::BFloat16);
 /// assert_eq!(bf16.cpu_bf16, CpuKernels::Auto); // decided from the CPU when installed

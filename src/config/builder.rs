@@ -47,7 +47,6 @@ pub struct AmpConfig {
     pub(super) recovery_growth_interval: Option<u64>,
     pub(super) scale_history_len: Option<usize>,
     pub(super) check_static_overflow: Option<bool>,
-    pub(super) keep_freed_cpu_memory: Option<bool>,
 }
 
 impl AmpConfig {
@@ -269,7 +268,7 @@ impl AmpConfig {
     }
     /// How many consecutive bad passes at the scale's floor end training with
     /// [`AmpError::ScaleCollapsed`] from `step()` (default
-    /// [`crate::LossScaler::DEFAULT_COLLAPSE_LIMIT`], 20; 0 turns the check off, as in Apex,
+    /// [`crate::scaling::LossScaler::DEFAULT_COLLAPSE_LIMIT`], 20; 0 turns the check off, as in Apex,
     /// which skips forever). Bad passes are overflows with the scale already at its floor (a
     /// loss that is NaN at every step), or clean passes at the floor whose gradients are all
     /// exactly zero (the scaled gradients underflowed: the model silently stopped learning).
@@ -288,8 +287,8 @@ impl AmpConfig {
         self.recovery_growth_interval = Some(n);
         self
     }
-    /// How many of the last scale changes each scaler keeps in [`crate::LossScaler::history`]
-    /// (a ring buffer; default [`crate::LossScaler::DEFAULT_HISTORY_LEN`], 256).
+    /// How many of the last scale changes each scaler keeps in [`crate::scaling::LossScaler::history`]
+    /// (a ring buffer; default [`crate::scaling::LossScaler::DEFAULT_HISTORY_LEN`], 256).
     pub fn scale_history_len(mut self, n: usize) -> Self {
         self.scale_history_len = Some(n);
         self
@@ -302,18 +301,6 @@ impl AmpConfig {
     /// [`AmpError::ScaleCollapsed`]. At O0/O3 the loss then no longer passes straight through.
     pub fn check_static_overflow(mut self, on: bool) -> Self {
         self.check_static_overflow = Some(on);
-        self
-    }
-
-    /// Whether `initialize` sets the C allocator (glibc's malloc) to keep freed CPU memory for
-    /// reuse (default true; see [`crate::cast::keep_freed_cpu_memory`], which this calls). A
-    /// training step frees and reallocates the same multi-MiB buffers every step (fp32 copies
-    /// of fp16 weights, gradients); with glibc's defaults each of them comes back from the
-    /// kernel as fresh zeroed pages, which costs more than the emulated GEMMs' conversions.
-    /// The setting is process-wide and stays once made: `false` here only means this
-    /// `initialize` does not make it.
-    pub fn keep_freed_cpu_memory(mut self, on: bool) -> Self {
-        self.keep_freed_cpu_memory = Some(on);
         self
     }
 

@@ -29,7 +29,6 @@ pub struct Properties {
     pub(super) recovery_growth_interval: Option<u64>,
     pub(super) scale_history_len: usize,
     pub(super) check_static_overflow: bool,
-    pub(super) keep_freed_cpu_memory: bool,
 }
 
 impl Properties {
@@ -70,7 +69,7 @@ impl Properties {
         self.num_losses
     }
     /// Floor of the dynamic scale as given (`None`: tch-amp's
-    /// [`crate::LossScaler::DEFAULT_MIN_LOSS_SCALE`]; Apex had none).
+    /// [`crate::scaling::LossScaler::DEFAULT_MIN_LOSS_SCALE`]; Apex had none).
     pub fn min_loss_scale(&self) -> Option<f64> {
         self.min_loss_scale
     }
@@ -136,10 +135,5 @@ impl Properties {
     /// Whether static scales check for overflow (tch-amp's opt-in; Apex never does).
     pub fn check_static_overflow(&self) -> bool {
         self.check_static_overflow
-    }
-    /// Whether `initialize` sets glibc's malloc to keep freed CPU memory for reuse (see
-    /// [`crate::AmpConfig::keep_freed_cpu_memory`]; default true).
-    pub fn keep_freed_cpu_memory(&self) -> bool {
-        self.keep_freed_cpu_memory
     }
 }

@@ -2,10 +2,10 @@
 //! resolution of the level's row and the overrides into [`Properties`].
 use tch::Kind;
 
+use super::scale_constants as consts;
 use super::{AmpConfig, LossScale, OptLevel, Properties};
 use crate::cast::{CastPolicy, CastSettings};
 use crate::error::{AmpError, Result};
-use crate::scaling::LossScaler;
 
 fn incompatible(level: OptLevel, option: &'static str, why: &'static str) -> AmpError {
     AmpError::IncompatibleOption { level, option, why }
@@ -15,9 +15,9 @@ fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -
     AmpError::InvalidOption { option, value: value.to_string(), expected }
 }
 
-/// A scale (or floor, or cap) within [`LossScaler::SCALE_RANGE`].
+/// A scale (or floor, or cap) within [`crate::scaling::LossScaler::SCALE_RANGE`].
 fn in_scale_range(option: &'static str, v: f64) -> Result<f64> {
-    let (lo, hi) = LossScaler::SCALE_RANGE;
+    let (lo, hi) = consts::SCALE_RANGE;
     if v.is_finite() && (lo..=hi).contains(&v) {
         Ok(v)
     } else {
@@ -38,7 +38,7 @@ impl AmpConfig {
     /// fp32/`None` under O1, `patch_torch_functions` outside O1, `keep_batchnorm_fp32` or
     /// `master_weights` set under O1, and (tch-amp) a `cast_policy` outside O1;
     /// [`AmpError::InvalidOption`] for a loss scale, `min_loss_scale` or `max_loss_scale`
-    /// outside [`LossScaler::SCALE_RANGE`] (2^-126 to 2^127), min above max, a hysteresis or
+    /// outside [`crate::scaling::LossScaler::SCALE_RANGE`] (2^-126 to 2^127), min above max, a hysteresis or
     /// recovery growth interval of 0,
     /// `num_losses == 0`, or a low-precision dtype other than fp16/bf16.
     pub fn build(&self) -> Result<Properties> {
@@ -92,7 +92,7 @@ impl AmpConfig {
     /// The level's row with the overrides applied, each value range-checked.
     fn resolve(&self) -> Result<Properties> {
         let level = self.level();
-        let d = level.defaults()?;
+        let d = level.defaults();
         let o1 = level == OptLevel::O1;
         let low = self.low_precision_dtype.unwrap_or(Kind::Half);
         if !matches!(low, Kind::Half | Kind::BFloat16) {
@@ -117,7 +117,7 @@ impl AmpConfig {
             None => d.loss_scale,
         };
         let max_loss_scale =
-            in_scale_range("max_loss_scale", self.max_loss_scale.unwrap_or(LossScaler::DEFAULT_MAX_LOSS_SCALE))?;
+            in_scale_range("max_loss_scale", self.max_loss_scale.unwrap_or(consts::DEFAULT_MAX_LOSS_SCALE))?;
         if let Some(min) = self.min_loss_scale {
             in_scale_range("min_loss_scale", min)?;
             if min > max_loss_scale {
@@ -165,11 +165,10 @@ impl AmpConfig {
             fp32_optimizer_state: self.fp32_optimizer_state.unwrap_or(false),
             hysteresis,
             consecutive_hysteresis: self.consecutive_hysteresis.unwrap_or(false),
-            collapse_limit: self.collapse_limit.unwrap_or(LossScaler::DEFAULT_COLLAPSE_LIMIT),
+            collapse_limit: self.collapse_limit.unwrap_or(consts::DEFAULT_COLLAPSE_LIMIT),
             recovery_growth_interval,
-            scale_history_len: self.scale_history_len.unwrap_or(LossScaler::DEFAULT_HISTORY_LEN),
+            scale_history_len: self.scale_history_len.unwrap_or(consts::DEFAULT_HISTORY_LEN),
             check_static_overflow: self.check_static_overflow.unwrap_or(false),
-            keep_freed_cpu_memory: self.keep_freed_cpu_memory.unwrap_or(true),
         })
     }
 }

@@ -515,7 +515,7 @@ impl Fp16Optimizer {
         let inv = 1.0 / scale;
         let dynamic = self.scaler_cfg.dynamic;
         let non_finite = |g: &Tensor| -> Result<bool> {
-            crate::diagnostics::note_host_read();
+            crate::counters::note_host_read();
             Ok(g.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("overflow check")? == 0)
         };
         let _no_grad = tch::no_grad_guard();

@@ -1,7 +1,6 @@
 //! The optimizer `initialize` returns: steps the fp32 masters (O2) or the model's own
 //! variables, skips a step after an overflow, clips on the master gradients.
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
@@ -10,9 +9,7 @@ use tch::nn::VarStore;
 
 use super::engine::GradSlice;
 use super::engine::{check_lr, Optimizer, ParamStateBuffers};
-use super::grads::{
-    clear_grad, non_finite_check_, set_grad, take_grad, total_norm, unscale_, unscale_into_, unscale_or_check_,
-};
+use super::grads::{clear_grad, non_finite_check_, set_grad, take_grad, total_norm, unscale_};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::record::{GroupRecord, OptimizerRecord, ParamRecord};
@@ -90,21 +87,6 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
-thread_local! {
-    /// Gradient inspections beyond the overflow flag made on this thread (see
-    /// [`crate::diagnostics::gradient_scans`]).
-    static GRADIENT_SCANS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Inspections beyond the overflow flag made on this thread so far.
-pub(crate) fn gradient_scans() -> u64 {
-    GRADIENT_SCANS.with(|c| c.get())
-}
-
-fn count_scan() {
-    GRADIENT_SCANS.with(|c| c.set(c.get() + 1));
-}
-
 /// O2's gradients between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
 /// checked for inf/NaN but not unscaled. `step` turns them into fp32 master gradients a slice
 /// at a time, right before each slice's update, so that no full-size fp32 gradient is ever
@@ -118,24 +100,11 @@ struct HalfGrads {
     inv_scale: Tensor,
 }
 
-/// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]);
-/// 0 turns the slice-wise path off (every master gradient made full-size at `scale_loss` exit).
-static SLICE_MAX: AtomicI64 = AtomicI64::new(DEFAULT_SLICE_MAX);
-/// 256 Ki elements (1 MiB of fp32 gradient): few slices per parameter (each costs a dozen
-/// small libtorch calls), and a slice's gradient, master and state still fit in L2/L3.
-pub(crate) const DEFAULT_SLICE_MAX: i64 = 1 << 18;
-/// A parameter too small for its own spent storage to hold an aligned slice (under 128
-/// elements) takes a fresh fp32 buffer of its size, at most this.
-const SLICE_MIN: i64 = 1 << 7;
-/// Slices start at multiples of this many elements (see `step_from_half_grads`).
-const SLICE_ALIGN: i64 = 64;
-
-/// Sets the largest slice of a master gradient made at once by O2's `step` (0: off, every
-/// master gradient is made full-size at `scale_loss` exit, the 18-byte path). For tests and
-/// benchmarks; returns the previous value.
-pub(crate) fn set_master_grad_slice(elements: i64) -> i64 {
-    SLICE_MAX.swap(elements.max(0), Ordering::Relaxed)
-}
+/// Largest slice (elements) of a master gradient made at once in `step` (see [`HalfGrads`]):
+/// 256 Ki elements, 1 MiB of fp32 gradient. A multiple of 64, so every slice starts where the
+/// kernels' own vector blocks and thread ranges would, and each element takes the same code
+/// path as in a whole-tensor update.
+const SLICE_MAX: i64 = 1 << 18;
 
 #[derive(Debug, Clone)]
 struct PendingSkip {
@@ -611,7 +580,7 @@ impl AmpOptimizer {
             let mut g = g.shallow_clone();
             let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
         }
-        crate::diagnostics::note_host_read();
+        crate::counters::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")
     }
 
@@ -649,7 +618,7 @@ impl AmpOptimizer {
     /// The parameters whose gradients hold inf or NaN, in model order, with counts (one host
     /// read). Run on the overflow path only.
     pub(crate) fn non_finite_grads(&self) -> Result<Vec<NonFiniteGrad>> {
-        count_scan();
+        crate::counters::note_gradient_scan();
         let _no_grad = tch::no_grad_guard();
         let mut order: Vec<&ParamEntry> = self.entries.iter().collect();
         order.sort_by_key(|e| e.order());
@@ -681,7 +650,7 @@ impl AmpOptimizer {
     /// Whether every gradient is exactly zero (`None` when no parameter has one); one host
     /// read. Run only with the scale at its floor.
     pub(crate) fn grads_all_zero(&self) -> Result<Option<bool>> {
-        count_scan();
+        crate::counters::note_gradient_scan();
         let _no_grad = tch::no_grad_guard();
         let mut nonzero = Vec::new();
         for e in &self.entries {
@@ -746,11 +715,10 @@ impl AmpOptimizer {
 
     /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
     /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
-    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor, scale: f64) -> Result<()> {
+    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
         // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
         // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
-        let slice_wise = SLICE_MAX.load(Ordering::Relaxed) > 0
-            && self.inner.updates_in_slices()
+        let slice_wise = self.inner.updates_in_slices()
             && self.entries.iter().any(|e| e.master().is_some())
             && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
             && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
@@ -786,7 +754,7 @@ impl AmpOptimizer {
                 }
             }
         }
-        unscale_or_check_(&fresh, found_inf, inv_scale, scale)?;
+        unscale_(&fresh, found_inf, inv_scale)?;
         if slice_wise {
             // Only checked (read, not written): `step` unscales them.
             non_finite_check_(&half, found_inf)?;
@@ -824,106 +792,52 @@ impl AmpOptimizer {
     }
 
     /// The slice-wise O2 update (see [`HalfGrads`]): for each parameter with a master and an
-    /// fp16 gradient, each slice of the gradient is unscaled into fp32 (`fp16 -> fp32` times
-    /// `inv_scale`, what the full-size path computes), the master slice updated from it and
-    /// rounded into the model. The fp32 slice needs no new memory: it lives in storage whose
-    /// values are spent, seen as fp32: the part of the model's fp16 weight not yet rounded back
-    /// (its old values are never read again), the part of this fp16 gradient already consumed,
-    /// or a previous parameter's consumed gradient. Parameters go largest first: the largest
-    /// takes about three slices (half of it, a quarter, a quarter; more when [`SLICE_MAX`] caps
-    /// them), every later one a single slice up to [`SLICE_MAX`]. Only a parameter under 128
-    /// elements coming first would use a fresh buffer (at most [`SLICE_MIN`] elements).
+    /// fp16 gradient, each slice of at most [`SLICE_MAX`] elements of the gradient is unscaled
+    /// into one reused fp32 buffer (`fp16 -> fp32`, then times `inv_scale`: what the full-size
+    /// path computes), the master slice updated from it and rounded into the model.
     fn step_from_half_grads(&mut self, half: &HalfGrads) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        let slice_max = SLICE_MAX.load(Ordering::Relaxed).max(SLICE_ALIGN);
-        // Largest first: its spent gradient then holds every smaller parameter's slice whole.
-        let mut order: Vec<usize> = (0..self.entries.len())
+        let order: Vec<usize> = (0..self.entries.len())
             .filter(|&i| self.entries[i].master().is_some() && self.entries[i].model().grad().defined())
             .collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].model().numel()));
-        // fp32 view of the largest fp16 gradient consumed so far: scratch for later slices.
-        let mut spent: Option<Tensor> = None;
-        let as_fp32 = |t: &Tensor, n: i64| t.f_narrow(0, 0, n - n % 2).and_then(|t| t.f_view_dtype(Kind::Float));
+        let Some(largest) = order.iter().map(|&i| self.entries[i].model().numel() as i64).max() else {
+            return Ok(());
+        };
+        let device = self.entries[order[0]].model().device();
+        let buffer = Tensor::f_empty([largest.min(SLICE_MAX)], (Kind::Float, device)).ctx("a master-gradient slice")?;
         for i in order {
             let e = &self.entries[i];
             let (model, master) =
                 (e.model().shallow_clone(), e.master().map(Tensor::shallow_clone).unwrap_or_default());
-            // libtorch's fused Adam/AdamW: the whole update in one pass over memory.
-            if self.inner.update_from_half(i, &model, &model.grad(), &half.inv_scale)? {
-                clear_grad(&model)?;
-                continue;
-            }
             let grad = model.grad().f_view([-1]).ctx("an fp16 gradient")?;
             let n = grad.numel() as i64;
             let (model_flat, master_flat) = (model.f_view([-1]).ctx("a weight")?, master.f_view([-1]).ctx("a master")?);
-            // The gradient and the weight seen as fp32 (over an even number of fp16 elements),
-            // made when first needed (a parameter that fits another's spent gradient needs
-            // neither).
-            let mut own: Option<Tensor> = None;
-            let mut weight: Option<Tensor> = None;
+            let narrow = |t: &Tensor, at: i64, len: i64| -> Result<Tensor> {
+                if len == n {
+                    Ok(t.shallow_clone())
+                } else {
+                    t.f_narrow(0, at, len).ctx("a parameter slice")
+                }
+            };
             let mut start = 0i64;
             let mut next = || -> Result<Option<GradSlice>> {
                 if start >= n {
                     return Ok(None);
                 }
-                // fp32 capacity of each spent region: another gradient; this gradient's consumed
-                // prefix (fp16 elements [0, start) hold start/2 floats); this weight from
-                // element `start` on (not rounded back yet: floats [start/2, n/2)).
-                let spent_cap = spent.as_ref().map_or(0, |t| t.numel() as i64);
-                let own_cap = start / 2;
-                let weight_cap = (n - n % 2) / 2 - start / 2;
-                // Slices start at multiples of SLICE_ALIGN elements, as the kernels' own
-                // vector blocks and thread ranges do, so each element takes the same code path
-                // as in a whole-tensor update.
-                let align = |c: i64| c - c % SLICE_ALIGN;
-                let cap = align(spent_cap.max(own_cap).max(weight_cap).min(slice_max));
-                let len = if cap >= SLICE_ALIGN { (n - start).min(cap) } else { (n - start).min(SLICE_MIN) };
-                let view = |slot: &mut Option<Tensor>, of: &Tensor| -> Result<Tensor> {
-                    if slot.is_none() {
-                        *slot = Some(as_fp32(of, n).ctx("scratch")?);
-                    }
-                    Ok(slot.as_ref().map(Tensor::shallow_clone).unwrap_or_default())
-                };
-                let scratch = if len <= spent_cap {
-                    spent.as_ref().map(|t| t.f_narrow(0, 0, len)).transpose().ctx("scratch")?.unwrap_or_default()
-                } else if len <= weight_cap {
-                    // Overwritten by this slice's rounded master right after its update.
-                    view(&mut weight, &model_flat)?.f_narrow(0, start / 2, len).ctx("scratch")?
-                } else if len <= own_cap {
-                    view(&mut own, &grad)?.f_narrow(0, 0, len).ctx("scratch")?
-                } else {
-                    Tensor::f_empty([len], (Kind::Float, grad.device())).ctx("a master-gradient slice")?
-                };
-                // fp16 -> fp32 times 1/scale in one pass: what the full-size path computes (its
-                // copy to fp32, then the multiply).
-                let g = scratch;
-                let source =
-                    if len == n { grad.shallow_clone() } else { grad.f_narrow(0, start, len).ctx("a slice")? };
-                unscale_into_(&g, &source, &half.inv_scale)?;
+                let len = (n - start).min(SLICE_MAX);
+                let mut g = buffer.f_narrow(0, 0, len).ctx("a master-gradient slice")?;
+                g.f_copy_(&narrow(&grad, start, len)?).ctx("an fp16 gradient slice to fp32")?;
+                let _ = g.f_mul_(&half.inv_scale).ctx("unscaling a gradient slice")?;
                 let out = GradSlice { start, grad: g };
                 start += len;
                 Ok(Some(out))
             };
             let mut done = |at: i64, len: i64| -> Result<()> {
-                let (mut w, m) = if len == n {
-                    (model_flat.shallow_clone(), master_flat.shallow_clone())
-                } else {
-                    (
-                        model_flat.f_narrow(0, at, len).ctx("a weight slice")?,
-                        master_flat.f_narrow(0, at, len).ctx("a master slice")?,
-                    )
-                };
-                w.f_copy_(&m).ctx("copying master weights into the model").map(|_| ())
+                let mut w = narrow(&model_flat, at, len)?;
+                w.f_copy_(&narrow(&master_flat, at, len)?).ctx("copying master weights into the model").map(|_| ())
             };
             self.inner.update_in_slices(i, &mut next, &mut done)?;
             clear_grad(&model)?;
-            // This gradient is spent now: scratch for the next (smaller) parameters.
-            if n / 2 > spent.as_ref().map_or(0, |t| t.numel() as i64) {
-                spent = Some(match own.take() {
-                    Some(t) => t,
-                    None => as_fp32(&grad, n).ctx("scratch")?,
-                });
-            }
         }
         Ok(())
     }
@@ -1346,7 +1260,7 @@ fn staged_tensor(what: &str, v: Tensor, shape: &[i64], like: &Tensor, kind: Kind
     if v.size() != shape || v.kind() != kind {
         return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {shape:?}", v.kind(), v.size())));
     }
-    crate::diagnostics::note_host_read();
+    crate::counters::note_host_read();
     let finite = v.f_isfinite().and_then(|f| f.f_all()).and_then(|a| a.f_int64_value(&[])).ctx("checking a state")?;
     if finite == 0 {
         return Err(mismatch(format!("{what}: holds inf or NaN")));

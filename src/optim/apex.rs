@@ -508,7 +508,7 @@ pub(crate) fn sgd_step(groups: &mut [GroupView<'_>], wd_after_momentum: bool) ->
                 grad = sys::add(&grad, p, c.weight_decay)?;
             }
             if c.momentum != 0.0 {
-                grad = super::rules::sgd_momentum(&grad, st, c.momentum, c.dampening, c.nesterov)?;
+                grad = super::sgd::sgd_momentum(&grad, st, c.momentum, c.dampening, c.nesterov)?;
             }
             if c.weight_decay != 0.0 && wd_after_momentum {
                 grad = sys::add(&grad, p, c.weight_decay)?;

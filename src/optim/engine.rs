@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 use super::rule::{GroupView, HyperParams, ParamState, ParamView, UpdateRule};
-use super::rules::{torch_step_value, OptimizerConfig};
+use super::rules::OptimizerConfig;
 use crate::dtype::is_low_precision;
 use crate::error::{AmpError, Result, TorchContext};
 
@@ -311,97 +311,7 @@ pub(crate) struct GradSlice {
     pub(crate) grad: Tensor,
 }
 
-/// Whether O2's step may use the single-pass Adam/AdamW update ([`Optimizer::update_from_half`]).
-static SINGLE_PASS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Turns the single-pass O2 Adam/AdamW update on or off (process-wide; on by default); returns
-/// the previous setting. Off, the slice-wise path runs (the same bits, three passes).
-pub(crate) fn set_o2_single_pass(on: bool) -> bool {
-    SINGLE_PASS.swap(on, std::sync::atomic::Ordering::Relaxed)
-}
-
-thread_local! {
-    static SINGLE_PASS_UPDATES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Parameters the calling thread has updated with the single pass so far.
-pub(crate) fn o2_single_pass_updates() -> u64 {
-    SINGLE_PASS_UPDATES.with(|c| c.get())
-}
-
 impl Optimizer {
-    /// O2's whole update of parameter `i` (an fp32 master) from the model's fp16 (or bf16)
-    /// gradient `grad`, when the rule is libtorch's fused Adam/AdamW (`OptimizerConfig::fused(true)`) and
-    /// every tensor is a contiguous CPU one: per element, the gradient unscaled into fp32, the
-    /// master and its state updated and the master rounded into `model`, in one pass over
-    /// memory (`src/shim/o2_adam.cpp`) instead of [`Self::update_in_slices`]'s three, with the
-    /// same bits (checked against libtorch's kernel at the first update of each mode).
-    /// `Ok(false)`, nothing done, where it does not apply.
-    pub(crate) fn update_from_half(
-        &mut self,
-        i: usize,
-        model: &Tensor,
-        grad: &Tensor,
-        inv_scale: &Tensor,
-    ) -> Result<bool> {
-        if !SINGLE_PASS.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(false);
-        }
-        let Some(config) = self.config else { return Ok(false) };
-        let group = &self.groups[self.group_of[i]];
-        let Some(h) = config.fused_adam_args(&group.hyper)? else { return Ok(false) };
-        let param = &self.params[i];
-        let n = param.numel();
-        let cpu_contiguous = |t: &Tensor, kinds: &[Kind]| {
-            t.defined()
-                && t.device() == tch::Device::Cpu
-                && t.is_contiguous()
-                && kinds.contains(&t.kind())
-                && t.numel() == n
-        };
-        if !(cpu_contiguous(param, &[Kind::Float])
-            && cpu_contiguous(model, &[Kind::Half, Kind::BFloat16])
-            && cpu_contiguous(grad, &[model.kind()])
-            && inv_scale.device() == tch::Device::Cpu)
-        {
-            return Ok(false);
-        }
-        let mut names = vec!["exp_avg", "exp_avg_sq"];
-        if h.amsgrad {
-            names.push("max_exp_avg_sq");
-        }
-        let st = &mut self.state[i];
-        if names.iter().any(|k| st.buffer(k).is_some_and(|t| !cpu_contiguous(t, &[Kind::Float]))) {
-            return Ok(false);
-        }
-        let mut state = Vec::with_capacity(names.len());
-        for k in &names {
-            state.push(st.buffer_or_zeros(k, param)?);
-        }
-        let step =
-            Tensor::f_scalar_tensor(torch_step_value(st.step + 1), (Kind::Float, tch::Device::Cpu)).ctx("Adam step")?;
-        let _no_grad = tch::no_grad_guard();
-        let applied = crate::sys::o2_fused_adam_(
-            &crate::sys::O2AdamTensors {
-                model,
-                grad,
-                master: param,
-                exp_avg: &state[0],
-                exp_avg_sq: &state[1],
-                max_exp_avg_sq: state.get(2),
-                step: &step,
-                inv_scale,
-            },
-            group.lr,
-            h,
-        )?;
-        if applied {
-            st.step += 1;
-            SINGLE_PASS_UPDATES.with(|c| c.set(c.get() + 1));
-        }
-        Ok(applied)
-    }
-
     /// Whether [`Self::update_in_slices`] may be used (the rule is elementwise).
     pub(crate) fn updates_in_slices(&self) -> bool {
         self.rule.is_elementwise()

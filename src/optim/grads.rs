@@ -37,34 +37,16 @@ pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Res
     sys::unscale_(grads, found_inf, inv_scale)
 }
 
-/// What [`unscale_`] flags with an `inv_scale` of exactly 1, read-only: `found_inf` (a 1-element
-/// fp32 tensor) set to 1.0 when any element of `grads` is inf or NaN, the gradients untouched.
-/// On CPU each contiguous gradient is read once by its bits (fp16, bf16, fp32, fp64), with no
-/// allocation and no host sync; any other tensor goes through libtorch's check. What
-/// `scale_loss` runs at exit when there is nothing to unscale (a loss scale of 1, or O2's fp16
-/// gradients, which `step` unscales); public for custom training loops.
+/// What [`unscale_`] flags with an `inv_scale` of exactly 1: `found_inf` (a 1-element fp32
+/// tensor) set to 1.0 when any element of `grads` is inf or NaN, every value left as it is
+/// (libtorch's check-and-unscale multiplying by 1). What `scale_loss` runs at exit on O2's
+/// fp16 gradients, which `step` unscales; public for custom training loops.
 ///
 /// # Errors
 /// [`crate::AmpError::Shim`] when libtorch rejects the inputs (e.g. tensors on different
 /// devices); [`crate::AmpError::TooManyTensors`] beyond `i32::MAX` tensors.
 pub fn non_finite_check_(grads: &[Tensor], found_inf: &Tensor) -> Result<()> {
     sys::non_finite_check_(grads, found_inf)
-}
-
-/// Unscales `scale`-scaled gradients and flags inf/NaN: with a scale of exactly 1 only the check
-/// runs (multiplying by 1 changes nothing), otherwise [`unscale_`].
-pub(crate) fn unscale_or_check_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor, scale: f64) -> Result<()> {
-    if scale == 1.0 {
-        non_finite_check_(grads, found_inf)
-    } else {
-        unscale_(grads, found_inf, inv_scale)
-    }
-}
-
-/// `dst = fp32(src) * inv_scale` in one pass: an fp16/bf16 gradient unscaled into fp32 storage
-/// (the same values as `dst.copy_(src)` then `dst.mul_(inv_scale)`).
-pub(crate) fn unscale_into_(dst: &Tensor, src: &Tensor, inv_scale: &Tensor) -> Result<()> {
-    sys::unscale_into_(dst, src, inv_scale)
 }
 
 /// The total `norm_type`-norm of `tensors` as a 0-dim fp32 tensor, every per-tensor norm

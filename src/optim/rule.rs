@@ -19,7 +19,7 @@ use crate::error::{AmpError, Result, TorchContext};
 /// torch's `betas=(b1, b2)` is the two entries `beta1` and `beta2`.
 ///
 /// ```
-/// use tch_amp::HyperParams;
+/// use tch_amp::optim::HyperParams;
 /// let h = HyperParams::new().with("beta1", 0.9).with("beta2", 0.999).with_flag("amsgrad", false);
 /// assert_eq!(h.get("beta1")?, 0.9);
 /// assert!(!h.flag("amsgrad")?);
@@ -185,7 +185,7 @@ pub enum StateShape {
 /// and checkpoints are checked against these before anything is loaded.
 ///
 /// ```
-/// use tch_amp::{StateShape, StateSpec};
+/// use tch_amp::optim::{StateShape, StateSpec};
 /// let m = StateSpec::like_param("exp_avg");
 /// let n = StateSpec::scalar("exp_avg_sq");
 /// assert_eq!((m.name(), m.shape(), m.is_fp32()), ("exp_avg", StateShape::LikeParam, false));
@@ -344,7 +344,8 @@ impl<'a> GroupView<'a> {
 /// ```
 /// use tch::nn::{self, VarStore};
 /// use tch::{Device, Kind, Tensor};
-/// use tch_amp::{Amp, AmpConfig, GroupView, HyperParams, OptLevel, StateSpec, UpdateRule};
+/// use tch_amp::{Amp, AmpConfig, OptLevel, UpdateRule};
+/// use tch_amp::optim::{GroupView, HyperParams, StateSpec};
 ///
 /// /// Plain SGD with a "decay" of the weights before the step.
 /// #[derive(Debug)]

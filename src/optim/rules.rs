@@ -12,7 +12,7 @@ use tch::{nn, Kind, Tensor};
 use super::apex::{self, FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd};
 use super::rule::{GroupView, HyperParams, ParamState, StateSpec, UpdateRule};
 use crate::error::{AmpError, Result, TorchContext};
-use crate::sys;
+use crate::sys::{self, FusedAdamHyper};
 
 /// Which built-in optimizer and its hyper-parameters (tch's config structs for torch.optim's,
 /// [`FusedSgd`] and friends for Apex's; the learning rate is passed separately, as in
@@ -33,7 +33,8 @@ use crate::sys;
 ///
 /// ```
 /// use tch::nn;
-/// use tch_amp::{Algorithm, FusedLamb, OptimizerConfig};
+/// use tch_amp::{FusedLamb, OptimizerConfig};
+/// use tch_amp::optim::Algorithm;
 /// // torch.optim.Adam(params, lr, betas=(0.9, 0.999), maximize=True, fused=True)
 /// let cfg = OptimizerConfig::from(nn::adam(0.9, 0.999, 0.0)).maximize(true).fused(true);
 /// assert!(cfg.is_fused() && cfg.is_maximize());
@@ -259,16 +260,6 @@ impl OptimizerConfig {
         Ok(OptimizerConfig { algorithm, maximize, fused: self.fused })
     }
 
-    /// libtorch's fused Adam/AdamW kernel's arguments for a group with hyper-parameters `h`
-    /// (`None` unless this is torch.optim's Adam or AdamW with [`Self::fused`] on).
-    pub(crate) fn fused_adam_args(&self, h: &HyperParams) -> Result<Option<FusedAdamHyper>> {
-        if !self.fused {
-            return Ok(None);
-        }
-        let OptimizerConfig { algorithm, maximize, .. } = self.with_hyper(h)?;
-        Ok(FusedAdamHyper::of(algorithm, maximize))
-    }
-
     /// The hyper-parameters Apex reads from the optimizer, not from a group (`adam_w_mode`,
     /// LAMB's `max_grad_norm` and `use_nvlamb`, ...): groups cannot override them.
     fn optimizer_wide(&self) -> &'static [&'static str] {
@@ -488,21 +479,6 @@ impl UpdateRule for BuiltinRule {
                             if amsgrad { Some(st.buffer_or_zeros("max_exp_avg_sq", p)?) } else { None };
                         let step = torch_step_value(st.step());
                         let step = Tensor::f_scalar_tensor(step, (Kind::Float, p.device())).ctx("Adam step")?;
-                        // O1 with CPU emulation: the update that also writes the weight's rounded
-                        // copy for the next forward, where O1 wants one (the same bits).
-                        if let (tch::Device::Cpu, Some(h)) = (p.device(), FusedAdamHyper::of(algorithm, maximize)) {
-                            let t = sys::O1AdamTensors {
-                                param: p,
-                                grad: &grad,
-                                exp_avg: &exp_avg,
-                                exp_avg_sq: &exp_avg_sq,
-                                max_exp_avg_sq: max_exp_avg_sq.as_ref(),
-                                step: &step,
-                            };
-                            if sys::o1_fused_adam_(&t, lr, h)? {
-                                continue;
-                            }
-                        }
                         batch.exp_avgs.push(exp_avg);
                         batch.exp_avg_sqs.push(exp_avg_sq);
                         batch.max_exp_avg_sqs.extend(max_exp_avg_sq);
@@ -525,19 +501,6 @@ impl UpdateRule for BuiltinRule {
 /// update, so it counts exactly up to 2^24 and stays there (2^24 + 1 rounds back to 2^24).
 pub(crate) fn torch_step_value(count: u64) -> f64 {
     count.min(1 << 24) as f64
-}
-
-/// The scalar arguments of libtorch's fused Adam/AdamW kernel for one group.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct FusedAdamHyper {
-    pub(crate) beta1: f64,
-    pub(crate) beta2: f64,
-    pub(crate) wd: f64,
-    pub(crate) eps: f64,
-    pub(crate) amsgrad: bool,
-    /// AdamW (decoupled weight decay) rather than Adam.
-    pub(crate) adamw: bool,
-    pub(crate) maximize: bool,
 }
 
 impl FusedAdamHyper {
@@ -602,40 +565,9 @@ fn sgd(p: &Tensor, grad: &Tensor, st: &mut ParamState, lr: f64, c: nn::Sgd, maxi
         grad = sys::add(&grad, p, c.wd)?;
     }
     if c.momentum != 0.0 {
-        grad = sgd_momentum(&grad, st, c.momentum, c.dampening, c.nesterov)?;
+        grad = super::sgd::sgd_momentum(&grad, st, c.momentum, c.dampening, c.nesterov)?;
     }
     sys::add_(p, &grad, -lr)
-}
-
-/// torch.optim.SGD's momentum (single-tensor path): the `momentum_buffer` is the first
-/// gradient, then `buf * momentum + grad * (1 - dampening)`; returns the direction to step
-/// along (`grad + buf * momentum` with Nesterov, else the buffer). Shared by `nn::Sgd` and
-/// Apex's FusedSGD.
-pub(crate) fn sgd_momentum(
-    grad: &Tensor,
-    st: &mut ParamState,
-    momentum: f64,
-    dampening: f64,
-    nesterov: bool,
-) -> Result<Tensor> {
-    let buf = match st.buffer("momentum_buffer") {
-        None => {
-            let b = grad.f_detach_copy().ctx("SGD momentum buffer")?;
-            st.set_buffer("momentum_buffer", b.shallow_clone());
-            b
-        }
-        Some(b) => {
-            let b = b.shallow_clone();
-            sys::mul_float_(&b, momentum)?;
-            sys::add_(&b, grad, 1.0 - dampening)?;
-            b
-        }
-    };
-    if nesterov {
-        sys::add(grad, &buf, momentum)
-    } else {
-        Ok(buf)
-    }
 }
 
 /// Adam's and AdamW's hyper-parameters.

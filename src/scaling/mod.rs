@@ -1,10 +1,13 @@
 //! Loss scaling: Apex's dynamic loss scaler (one per loss) and the scalers' state dict in
 //! Apex's and torch `GradScaler`'s forms.
 mod overflow;
+pub(crate) mod scale_loss;
 mod scaler;
 mod state_dict;
 
 pub use overflow::{NonFiniteGrad, OverflowReport};
+pub(crate) use scale_loss::ScaleLossOptions;
+pub use scale_loss::ScaleLossOutcome;
 pub(crate) use scaler::Collapse;
 pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
 pub use state_dict::AmpState;

@@ -4,7 +4,7 @@
 //! regrowth after an overflow storm, and a bounded history of scale changes.
 use serde::{Deserialize, Serialize};
 
-use crate::config::{LossScale, Properties};
+use crate::config::{scale_constants as consts, LossScale, Properties};
 
 /// Why a scale changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,26 +110,26 @@ pub struct LossScaler {
 
 impl LossScaler {
     /// Apex's initial dynamic scale, 2^16.
-    pub const INITIAL_DYNAMIC_SCALE: f64 = 65536.0;
+    pub const INITIAL_DYNAMIC_SCALE: f64 = consts::INITIAL_DYNAMIC_SCALE;
     /// Apex's growth interval: clean backward passes before the scale doubles.
-    pub const GROWTH_INTERVAL: u64 = 2000;
+    pub const GROWTH_INTERVAL: u64 = consts::GROWTH_INTERVAL;
     /// Apex's default `max_loss_scale`: 2^24.
-    pub const DEFAULT_MAX_LOSS_SCALE: f64 = 16_777_216.0;
+    pub const DEFAULT_MAX_LOSS_SCALE: f64 = consts::DEFAULT_MAX_LOSS_SCALE;
     /// The floor tch-amp puts under a dynamic scale when `min_loss_scale` is not given: 2^-24.
     /// Apex has none (users saw the scale decay to 1e-316, a denormal, after long runs of
     /// overflows); 2^-24 is the smallest fp16 subnormal, below which a scaled fp16 gradient
     /// cannot hold any information.
-    pub const DEFAULT_MIN_LOSS_SCALE: f64 = 5.960_464_477_539_063e-8;
+    pub const DEFAULT_MIN_LOSS_SCALE: f64 = consts::DEFAULT_MIN_LOSS_SCALE;
     /// The range every scale (static, dynamic, floor, cap, loaded) must lie in: 2^-126 to
     /// 2^127, so that the scale and its inverse are normal fp32 numbers (the loss is scaled
     /// and the gradients unscaled in fp32).
-    pub const SCALE_RANGE: (f64, f64) = (1.175_494_350_822_287_5e-38, 1.701_411_834_604_692_3e38);
+    pub const SCALE_RANGE: (f64, f64) = consts::SCALE_RANGE;
     /// Default of [`crate::AmpConfig::collapse_limit`]: 20 consecutive overflowing passes
     /// with the scale at its floor (or 20 consecutive clean passes there whose gradients are
     /// all exactly zero) end in [`crate::AmpError::ScaleCollapsed`].
-    pub const DEFAULT_COLLAPSE_LIMIT: u32 = 20;
+    pub const DEFAULT_COLLAPSE_LIMIT: u32 = consts::DEFAULT_COLLAPSE_LIMIT;
     /// Default of [`crate::AmpConfig::scale_history_len`]: the last 256 scale changes are kept.
-    pub const DEFAULT_HISTORY_LEN: usize = 256;
+    pub const DEFAULT_HISTORY_LEN: usize = consts::DEFAULT_HISTORY_LEN;
 
     /// A scaler as `initialize` makes it from `props`.
     pub fn new(props: &Properties) -> Self {

@@ -8,27 +8,12 @@
 #include <string>
 #include <c10/util/Exception.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-// The shim's own vector kernels (grad_kernels.cpp, o2_adam.cpp, round_through.cpp) are x86-64
-// AVX2 code behind a run-time check; elsewhere they take their portable or libtorch path.
-#define TCH_AMP_X86 1
-#endif
-
 namespace tch_amp {
 inline char* error_message(const std::string& msg) { return strdup(msg.c_str()); }
-#ifdef TCH_AMP_X86
-// Whether this CPU runs the shim's vector kernels (AVX2, FMA, F16C), checked once per process.
-inline bool cpu_has_avx2_fma_f16c() {
-  static const bool yes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return yes;
-}
-#endif
 }  // namespace tch_amp
 
 extern "C" {
-// The scalar arguments of an Adam/AdamW update (optim.cpp, o2_adam.cpp; src/sys/optim.rs).
+// The scalar arguments of an Adam/AdamW update (optim.cpp; src/sys/optim.rs).
 struct tch_amp_adam_scalars {
   double lr, beta1, beta2, weight_decay, eps;
   int amsgrad, adamw, maximize;

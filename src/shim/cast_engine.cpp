@@ -278,29 +278,6 @@ char* tch_amp_cast_policy_active(int* active) { TCH_AMP_PROTECT(*active = tls_po
 // Empties the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_clear() { TCH_AMP_PROTECT(cache_clear()) }
 
-// Turns the kernels' phase timers on or off (all threads).
-char* tch_amp_cast_profiling(int on) { TCH_AMP_PROTECT(set_profiling(on != 0)) }
-
-// The calling thread's kernel phase times in nanoseconds since the last call (and the count of
-// emulated calls), then resets them: out[0] policy casts, [1] emulated inputs to fp32, [2] the
-// fp32 op, [3] output rounding, [4] emulated calls.
-char* tch_amp_cast_profile_take(int64_t* out) {
-  TCH_AMP_PROTECT({
-    const KernelProfile p = take_profile();
-    out[0] = p.policy_cast_ns;
-    out[1] = p.emulated_input_ns;
-    out[2] = p.emulated_op_ns;
-    out[3] = p.emulated_output_ns;
-    out[4] = p.emulated_calls;
-  })
-}
-
-// Whether O1's rounding of fp32 tensors to fp16 runs the shim's vector (F16C) code on this
-// CPU (*vectorized = 1) or its portable loop.
-char* tch_amp_cast_rounding_vectorized(int* vectorized) {
-  TCH_AMP_PROTECT(*vectorized = rounds_vectorized(at::kHalf) ? 1 : 0)
-}
-
 // Number of entries in the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_len(size_t* len) { TCH_AMP_PROTECT(*len = cache_len()) }
 

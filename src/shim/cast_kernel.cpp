@@ -10,32 +10,11 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include <atomic>
-#include <chrono>
 #include <string>
 #include <utility>
 
 namespace tch_amp::cast {
 namespace {
-
-std::atomic<bool> profiling{false};
-thread_local KernelProfile tls_profile;
-
-// Adds the time since construction to `slot` when profiling is on.
-struct PhaseTimer {
-  int64_t* slot;
-  std::chrono::steady_clock::time_point start;
-  explicit PhaseTimer(int64_t& s)
-      : slot(profiling.load(std::memory_order_relaxed) ? &s : nullptr),
-        start(slot != nullptr ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}) {}
-  ~PhaseTimer() {
-    if (slot != nullptr) {
-      *slot += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-    }
-  }
-  PhaseTimer(const PhaseTimer&) = delete;
-  PhaseTimer& operator=(const PhaseTimer&) = delete;
-};
 
 // Applies `f` to every tensor among the last `n` stack entries (tensors, optional tensors,
 // tensor lists and lists of optional tensors), replacing them with what `f` returns.
@@ -85,9 +64,6 @@ void for_each_tensor_arg(const torch::jit::Stack* stack, size_t n, bool skip_fir
 
 }  // namespace
 
-void set_profiling(bool on) { profiling.store(on, std::memory_order_relaxed); }
-KernelProfile take_profile() { return std::exchange(tls_profile, KernelProfile{}); }
-
 // "name" or "name.overload", without the "aten::" namespace.
 std::string op_display(const c10::OperatorName& name) {
   std::string base = name.name.rfind("aten::", 0) == 0 ? name.name.substr(6) : name.name;
@@ -135,25 +111,12 @@ class CastKernel final : public c10::OperatorKernel {
       return;
     }
     const size_t nargs = op.schema().arguments().size();
-    if (emulate && cat == Category::LowPrecision) {
-      // O1's low-precision list with the CPU emulation: fp32 arguments go straight to fp32
-      // tensors of their rounded values (one pass, not a cast to fp16 and one back).
-      const at::ScalarType low = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
-      if (policy->emulates_dtype(low) && rounds_through(stack, nargs, low)) {
-        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-        run_rounded(op, below, stack, nargs, low);
-        return;
-      }
-    }
     {
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-      {
-        PhaseTimer timer(tls_profile.policy_cast_ns);
-        if (inplace_) {
-          apply_inplace_rule(op, cat, stack, nargs);
-        } else {
-          apply_category(op, cat, *policy, stack, nargs);
-        }
+      if (inplace_) {
+        apply_inplace_rule(op, cat, stack, nargs);
+      } else {
+        apply_category(op, cat, *policy, stack, nargs);
       }
       if (emulate) {
         run_emulated(op, below, stack, nargs, *policy);
@@ -261,52 +224,22 @@ class CastKernel final : public c10::OperatorKernel {
         map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) {
           if (!eligible(t, dev) || t.scalar_type() == to) return t;
           // fp64 only ever widens here (it is the widest when present)
-          return to == at::kFloat ? widen(t) : t.to(to);
+          return t.to(to);
         });
         return;
       }
     }
   }
 
-  // Whether there are floating arguments and every one is fp32 or `low` (then the policy's cast
-  // to `low` and the emulation's cast back to fp32 are one rounding of each fp32 argument).
-  bool rounds_through(const torch::jit::Stack* stack, size_t nargs, at::ScalarType low) const {
-    bool ok = true, any = false;
-    for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
-      if (!eligible(t, kCpu)) return;
-      any = true;
-      if (t.scalar_type() != at::kFloat && t.scalar_type() != low) ok = false;
-    });
-    return ok && any;
-  }
-
-  // An emulated op of O1's low-precision list: its arguments as fp32 tensors of their values
-  // rounded to `low`, the fp32 op, its floating outputs rounded to `low` (what casting to
-  // `low` and then emulating computes, forward and backward).
-  void run_rounded(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
-                   size_t nargs, at::ScalarType low) const {
-    if (profiling.load(std::memory_order_relaxed)) ++tls_profile.emulated_calls;
-    {
-      PhaseTimer timer(tls_profile.policy_cast_ns);
-      map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return round_through_tensor(t, low); });
-    }
-    {
-      PhaseTimer timer(tls_profile.emulated_op_ns);
-      op.redispatchBoxed(below, stack);
-    }
-    round_outputs(op, stack, low);
-  }
-
   // The floating (fp32) outputs of an emulated op rounded to `to`.
   static void round_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::ScalarType to) {
-    PhaseTimer timer(tls_profile.emulated_output_ns);
     const size_t nret = op.schema().returns().size();
     auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);
     for (size_t i = 0; i < nret; ++i) {
       c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
       if (v.isTensor()) {
         const at::Tensor& t = v.toTensor();
-        if (t.defined() && t.scalar_type() == at::kFloat) v = round_output(t, to);
+        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
       }
     }
   }
@@ -331,15 +264,8 @@ class CastKernel final : public c10::OperatorKernel {
       op.redispatchBoxed(below, stack);
       return;
     }
-    if (profiling.load(std::memory_order_relaxed)) ++tls_profile.emulated_calls;
-    {
-      PhaseTimer timer(tls_profile.emulated_input_ns);
-      map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
-    }
-    {
-      PhaseTimer timer(tls_profile.emulated_op_ns);
-      op.redispatchBoxed(below, stack);
-    }
+    map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
+    op.redispatchBoxed(below, stack);
     round_outputs(op, stack, *low);
   }
 

@@ -76,44 +76,10 @@ inline bool is_low(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat
 bool eligible(const at::Tensor& t, int dev);
 // Casts an eligible tensor to `to` (fp64 is never cast); model weights go through the cache.
 at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, int dev);
-// An emulated low-precision op's argument (O1 on CPU): fp32 values rounded to `low` in one pass
-// (weights cached), `low` values converted to fp32; see round_through.cpp.
-at::Tensor round_through_tensor(const at::Tensor& t, at::ScalarType low);
-// fp32(low(x)) for an fp32 `x`, as an autograd function whose backward rounds the gradient
-// the same way (round_through.cpp).
-at::Tensor round_through(const at::Tensor& x, at::ScalarType low);
-// A model weight's fp32 tensor of its values rounded to `low`, as one autograd node whose
-// backward rounds the gradient the same way; `copy`, when defined, holds those values already
-// (weight_copies.h). round_through.cpp.
-at::Tensor round_weight(const at::Tensor& w, at::ScalarType low, const at::Tensor& copy);
-// Whether the rounding to `low` runs the vector (F16C) code on this CPU.
-bool rounds_vectorized(at::ScalarType low);
-// An emulated op's fp32 output as its `low` tensor (what `t.to(low)` gives, forward and
-// backward). For fp16, when nothing else holds `t`, it is rounded in place in the same pass and
-// kept for the output's next conversion to fp32 (`widen`): the output handoff,
-// round_through.cpp.
-at::Tensor round_output(const at::Tensor& t, at::ScalarType low);
-// `h.to(fp32)`, forward and backward: from the values `round_output` kept when `h` is the
-// unchanged tensor it returned and no conversion has taken them yet.
-at::Tensor widen(const at::Tensor& h);
-// Drops what the output handoff keeps on the calling thread (with cache_clear).
-void handoff_clear();
 void cache_clear();
 size_t cache_len();
 
 // ---- cast_kernel.cpp --------------------------------------------------------------------------
-// Time the calling thread's kernels spent per phase while profiling is on (benchmarks): the
-// policy's casts, and for emulated ops the casts of their inputs to fp32, the fp32 op itself
-// and the rounding of its outputs. Off by default; then it costs one relaxed load per call.
-struct KernelProfile {
-  int64_t policy_cast_ns = 0;
-  int64_t emulated_input_ns = 0;
-  int64_t emulated_op_ns = 0;
-  int64_t emulated_output_ns = 0;
-  int64_t emulated_calls = 0;
-};
-void set_profiling(bool on);
-KernelProfile take_profile();
 // The boxed kernel for op `id` at `dev`'s Autocast key; `native` is libtorch's own kernel there.
 torch::CppFunction make_cast_kernel(size_t id, int dev, bool inplace, std::optional<c10::SafeKernelFunction> native);
 // "name" or "name.overload", without the "aten::" namespace.

@@ -112,7 +112,7 @@ char* tch_amp_cpu_memory(int64_t* current, int64_t* peak, int reset_peak) {
 }
 
 // glibc's malloc keeps freed memory for reuse instead of handing it back to the kernel (see
-// src/cast/cpu.rs, keep_freed_cpu_memory): blocks up to 32 MiB come from the heap (not a fresh
+// src/cast/cpu.rs, keep_freed_cpu_memory; an explicit opt-in, never called by the library): blocks up to 32 MiB come from the heap (not a fresh
 // mmap each time) and the heap top is never trimmed below 1 GiB of free space. Sets *applied
 // to 1 when both settings took effect, 0 elsewhere (another C library, or mallopt refused).
 char* tch_amp_keep_freed_memory(int* applied) {

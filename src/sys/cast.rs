@@ -50,13 +50,6 @@ extern "C" {
     fn tch_amp_cast_policy_active(active: *mut c_int) -> *mut c_char;
     fn tch_amp_cast_cache_clear() -> *mut c_char;
     fn tch_amp_cast_cache_len(len: *mut usize) -> *mut c_char;
-    fn tch_amp_cast_profiling(on: c_int) -> *mut c_char;
-    fn tch_amp_cast_profile_take(out: *mut i64) -> *mut c_char;
-    fn tch_amp_cast_rounding_vectorized(vectorized: *mut c_int) -> *mut c_char;
-    fn tch_amp_o1_weight_copies_set(enabled: c_int, previous: *mut c_int) -> *mut c_char;
-    fn tch_amp_o1_weight_copies_stats(out: *mut i64) -> *mut c_char;
-    fn tch_amp_o1_output_handoff(enabled: c_int, previous: *mut c_int, out: *mut i64) -> *mut c_char;
-    fn tch_amp_o1_weight_copy(w: *mut torch_sys::C_tensor, out: *mut *mut torch_sys::C_tensor) -> *mut c_char;
 }
 
 /// Appends each string the shim hands over to the `Vec<String>` behind `ctx`.
@@ -219,62 +212,4 @@ pub(crate) fn cache_len() -> Result<usize> {
     // SAFETY: an out-pointer to a local.
     check(unsafe { tch_amp_cast_cache_len(&mut len) }, "cast_cache_len")?;
     Ok(len)
-}
-
-/// Turns the cast kernels' phase timers on or off (every thread).
-pub(crate) fn set_profiling(on: bool) -> Result<()> {
-    // SAFETY: a plain integer argument.
-    check(unsafe { tch_amp_cast_profiling(c_int::from(on)) }, "cast_profiling")
-}
-
-/// The calling thread's kernel phase times (ns) since the last call, and the emulated-call
-/// count: [policy casts, emulated inputs, fp32 op, output rounding, emulated calls].
-pub(crate) fn take_profile() -> Result<[i64; 5]> {
-    let mut out = [0i64; 5];
-    // SAFETY: `out` has the 5 slots the shim writes.
-    check(unsafe { tch_amp_cast_profile_take(out.as_mut_ptr()) }, "cast_profile_take")?;
-    Ok(out)
-}
-
-/// Whether O1's rounding to fp16 runs the shim's vector (F16C) code on this CPU.
-pub(crate) fn rounding_vectorized() -> Result<bool> {
-    flag(tch_amp_cast_rounding_vectorized, "cast_rounding_vectorized")
-}
-
-/// Turns O1's rounded weight copies on or off (process-wide); returns the previous setting.
-pub(crate) fn set_weight_copies(on: bool) -> Result<bool> {
-    let mut previous: c_int = 0;
-    // SAFETY: a plain integer and an out-pointer to a local.
-    check(unsafe { tch_amp_o1_weight_copies_set(c_int::from(on), &mut previous) }, "o1_weight_copies_set")?;
-    Ok(previous == 1)
-}
-
-/// O1's rounded weight copies: [copies kept, their bytes, forward uses served from a copy,
-/// uses given one rounding node without a copy, weights used again after that, gradients
-/// rounded in place].
-pub(crate) fn weight_copies_stats() -> Result<[i64; 6]> {
-    let mut out = [0i64; 6];
-    // SAFETY: `out` has the 6 slots the shim writes.
-    check(unsafe { tch_amp_o1_weight_copies_stats(out.as_mut_ptr()) }, "o1_weight_copies_stats")?;
-    Ok(out)
-}
-
-/// O1's output handoff (`src/shim/round_through.cpp`): sets it when `set` is given; returns
-/// the previous setting and the calling thread's [forward, backward] handoffs.
-pub(crate) fn output_handoff(set: Option<bool>) -> Result<(bool, [i64; 2])> {
-    let mut previous: c_int = 0;
-    let mut out = [0i64; 2];
-    let enabled = set.map_or(-1, c_int::from);
-    // SAFETY: a plain integer and out-pointers to locals (`out` has the 2 slots the shim writes).
-    check(unsafe { tch_amp_o1_output_handoff(enabled, &mut previous, out.as_mut_ptr()) }, "o1_output_handoff")?;
-    Ok((previous == 1, out))
-}
-
-/// `w`'s current rounded copy (a detached alias), if any.
-pub(crate) fn weight_copy(w: &tch::Tensor) -> Result<Option<tch::Tensor>> {
-    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
-    // SAFETY: a live handle in; `out` receives a new at::Tensor or stays NULL.
-    check(unsafe { tch_amp_o1_weight_copy(super::ptr(w), &mut out) }, "o1_weight_copy")?;
-    // SAFETY: a non-null `out` is a heap at::Tensor the shim made for us to own.
-    Ok((!out.is_null()).then(|| unsafe { tch::Tensor::from_ptr(out) }))
 }

@@ -6,7 +6,7 @@ use tch::Tensor;
 use torch_sys::C_tensor;
 
 use super::{check, ptr, ptrs};
-use crate::error::Result;
+use crate::error::{Result, TorchContext};
 
 extern "C" {
     fn tch_amp_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
@@ -16,8 +16,6 @@ extern "C" {
         found_inf: *mut C_tensor,
         inv_scale: *mut C_tensor,
     ) -> *mut c_char;
-    fn tch_amp_non_finite_check_(grads: *const *mut C_tensor, n: c_int, found_inf: *mut C_tensor) -> *mut c_char;
-    fn tch_amp_unscale_into_(dst: *mut C_tensor, src: *mut C_tensor, inv_scale: *mut C_tensor) -> *mut c_char;
     fn tch_amp_total_norm(
         tensors: *const *mut C_tensor,
         n: c_int,
@@ -35,7 +33,7 @@ pub(crate) fn set_grad(t: &Tensor, grad: Option<&Tensor>) -> Result<()> {
 }
 
 /// libtorch's `_amp_foreach_non_finite_check_and_unscale_` over `grads` (see
-/// [`crate::unscale_`]).
+/// [`crate::optim::unscale_`]).
 pub(crate) fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     if grads.is_empty() {
         return Ok(());
@@ -45,23 +43,14 @@ pub(crate) fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor)
     check(unsafe { tch_amp_unscale_(handles.as_ptr(), n, ptr(found_inf), ptr(inv_scale)) }, "unscale")
 }
 
-/// `found_inf` set to 1 when any element of `grads` is inf or NaN; the gradients are only read
-/// (`src/shim/grad_kernels.cpp`). What [`unscale_`] flags with an `inv_scale` of exactly 1.
+/// `found_inf` set to 1 when any element of `grads` is inf or NaN: [`unscale_`] with an
+/// `inv_scale` of exactly 1, which leaves every value as it is.
 pub(crate) fn non_finite_check_(grads: &[Tensor], found_inf: &Tensor) -> Result<()> {
     if grads.is_empty() {
         return Ok(());
     }
-    let (handles, n) = ptrs(grads, "non_finite_check")?;
-    // SAFETY: `handles` holds live handles for the duration of the call.
-    check(unsafe { tch_amp_non_finite_check_(handles.as_ptr(), n, ptr(found_inf)) }, "non_finite_check")
-}
-
-/// `dst = fp32(src) * inv_scale` in one pass (`dst.copy_(src)` then `dst.mul_(inv_scale)`, bit
-/// for bit): `src` fp16/bf16, `dst` fp32 with as many elements, `inv_scale` a 1-element fp32
-/// tensor.
-pub(crate) fn unscale_into_(dst: &Tensor, src: &Tensor, inv_scale: &Tensor) -> Result<()> {
-    // SAFETY: three live at::Tensor handles for the duration of the call.
-    check(unsafe { tch_amp_unscale_into_(ptr(dst), ptr(src), ptr(inv_scale)) }, "unscale_into")
+    let one = Tensor::f_ones([1], (tch::Kind::Float, found_inf.device())).ctx("non_finite_check")?;
+    unscale_(grads, found_inf, &one)
 }
 
 /// The total `norm_type`-norm of `tensors` as a 0-dim fp32 tensor (0 for an empty list), every

@@ -20,10 +20,10 @@ mod grads;
 mod optim;
 
 pub(crate) use autocast::{autocast_clear_cache, autocast_get, autocast_set, find_schema, set_allow_tf32};
-pub(crate) use grads::{non_finite_check_, set_grad, total_norm, unscale_, unscale_into_, vector_norm};
+pub(crate) use grads::{non_finite_check_, set_grad, total_norm, unscale_, vector_norm};
 pub(crate) use optim::{
-    add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, o1_fused_adam_,
-    o2_adam_form, o2_fused_adam_, FusedAdamArgs, O1AdamTensors, O2AdamTensors,
+    add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, FusedAdamArgs,
+    FusedAdamHyper,
 };
 
 extern "C" {

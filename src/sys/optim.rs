@@ -9,7 +9,6 @@ use torch_sys::C_tensor;
 
 use super::{check, ptr, ptrs};
 use crate::error::{AmpError, Result};
-use crate::optim::FusedAdamHyper;
 
 extern "C" {
     fn tch_amp_fused_adam_(
@@ -23,36 +22,7 @@ extern "C" {
         h: *const AdamScalars,
     ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
-    fn tch_amp_o2_fused_adam_(
-        model: *mut C_tensor,
-        grad: *mut C_tensor,
-        master: *mut C_tensor,
-        exp_avg: *mut C_tensor,
-        exp_avg_sq: *mut C_tensor,
-        max_exp_avg_sq: *mut C_tensor,
-        step: *mut C_tensor,
-        inv_scale: *mut C_tensor,
-        h: *const AdamScalars,
-        applied: *mut c_int,
-    ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
-    fn tch_amp_o1_fused_adam_(
-        param: *mut C_tensor,
-        grad: *mut C_tensor,
-        exp_avg: *mut C_tensor,
-        exp_avg_sq: *mut C_tensor,
-        max_exp_avg_sq: *mut C_tensor,
-        step: *mut C_tensor,
-        h: *const AdamScalars,
-        applied: *mut c_int,
-    ) -> *mut c_char;
-    fn tch_amp_o2_adam_form(
-        adamw: c_int,
-        found: *mut c_int,
-        sq: *mut c_int,
-        wd: *mut c_int,
-        width: *mut c_int,
-    ) -> *mut c_char;
     fn tch_amp_optim_add_(self_: *mut C_tensor, other: *mut C_tensor, alpha: f64) -> *mut c_char;
     fn tch_amp_optim_add(
         self_: *mut C_tensor,
@@ -72,6 +42,19 @@ extern "C" {
     fn tch_amp_optim_mul_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
     fn tch_amp_optim_add_float_(self_: *mut C_tensor, value: f64) -> *mut c_char;
     fn tch_amp_optim_div_float(self_: *mut C_tensor, value: f64, out: *mut *mut C_tensor) -> *mut c_char;
+}
+
+/// The scalar arguments of libtorch's fused Adam/AdamW kernel for one group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FusedAdamHyper {
+    pub(crate) beta1: f64,
+    pub(crate) beta2: f64,
+    pub(crate) wd: f64,
+    pub(crate) eps: f64,
+    pub(crate) amsgrad: bool,
+    /// AdamW (decoupled weight decay) rather than Adam.
+    pub(crate) adamw: bool,
+    pub(crate) maximize: bool,
 }
 
 /// The scalar arguments of an Adam/AdamW update as the shim takes them
@@ -112,100 +95,6 @@ pub(crate) struct FusedAdamArgs<'a> {
     pub(crate) exp_avg_sqs: &'a [Tensor],
     pub(crate) max_exp_avg_sqs: &'a [Tensor],
     pub(crate) steps: &'a [Tensor],
-}
-
-/// The tensors of one O2 fused Adam/AdamW update from an fp16/bf16 gradient (see
-/// [`o2_fused_adam_`]).
-pub(crate) struct O2AdamTensors<'a> {
-    pub(crate) model: &'a Tensor,
-    pub(crate) grad: &'a Tensor,
-    pub(crate) master: &'a Tensor,
-    pub(crate) exp_avg: &'a Tensor,
-    pub(crate) exp_avg_sq: &'a Tensor,
-    /// With amsgrad only.
-    pub(crate) max_exp_avg_sq: Option<&'a Tensor>,
-    /// This update's step count (a 0-dim fp32 tensor).
-    pub(crate) step: &'a Tensor,
-    pub(crate) inv_scale: &'a Tensor,
-}
-
-/// One parameter's O2 Adam/AdamW update in a single pass (`src/shim/o2_adam.cpp`): the fp16/bf16
-/// gradient unscaled into fp32, the master and its state updated with libtorch's fused kernel's
-/// arithmetic, the master rounded into the model weight. `Ok(false)`, nothing changed, where no
-/// form of the pass reproduces libtorch's kernel bit for bit (checked once per mode).
-pub(crate) fn o2_fused_adam_(t: &O2AdamTensors<'_>, lr: f64, h: FusedAdamHyper) -> Result<bool> {
-    let max = t.max_exp_avg_sq.map_or(std::ptr::null_mut(), ptr);
-    let scalars = AdamScalars::new(lr, h);
-    let mut applied: c_int = 0;
-    // SAFETY: live at::Tensor handles (or NULL for an absent max_exp_avg_sq) and a live
-    // `scalars` for the call; `applied` is a plain out-pointer.
-    let err = unsafe {
-        tch_amp_o2_fused_adam_(
-            ptr(t.model),
-            ptr(t.grad),
-            ptr(t.master),
-            ptr(t.exp_avg),
-            ptr(t.exp_avg_sq),
-            max,
-            ptr(t.step),
-            ptr(t.inv_scale),
-            &scalars,
-            &mut applied,
-        )
-    };
-    check(err, "o2_fused_adam")?;
-    Ok(applied == 1)
-}
-
-/// The tensors of one O1 fused Adam/AdamW update of an fp32 weight (see [`o1_fused_adam_`]).
-pub(crate) struct O1AdamTensors<'a> {
-    pub(crate) param: &'a Tensor,
-    pub(crate) grad: &'a Tensor,
-    pub(crate) exp_avg: &'a Tensor,
-    pub(crate) exp_avg_sq: &'a Tensor,
-    /// With amsgrad only.
-    pub(crate) max_exp_avg_sq: Option<&'a Tensor>,
-    /// This update's step count (a 0-dim fp32 tensor).
-    pub(crate) step: &'a Tensor,
-}
-
-/// One fp32 weight's Adam/AdamW update in a single pass that also writes the weight's copy
-/// rounded to fp16/bf16 for O1's next forward (`src/shim/weight_copies.h`), with libtorch's
-/// fused kernel's arithmetic. `Ok(false)`, nothing changed, where O1 wants no copy of this
-/// weight or the single pass does not apply (the caller runs libtorch's kernel).
-pub(crate) fn o1_fused_adam_(t: &O1AdamTensors<'_>, lr: f64, h: FusedAdamHyper) -> Result<bool> {
-    let max = t.max_exp_avg_sq.map_or(std::ptr::null_mut(), ptr);
-    let scalars = AdamScalars::new(lr, h);
-    let mut applied: c_int = 0;
-    // SAFETY: live at::Tensor handles (or NULL for an absent max_exp_avg_sq) and a live
-    // `scalars` for the call; `applied` is a plain out-pointer.
-    let err = unsafe {
-        tch_amp_o1_fused_adam_(
-            ptr(t.param),
-            ptr(t.grad),
-            ptr(t.exp_avg),
-            ptr(t.exp_avg_sq),
-            max,
-            ptr(t.step),
-            &scalars,
-            &mut applied,
-        )
-    };
-    check(err, "o1_fused_adam")?;
-    Ok(applied == 1)
-}
-
-/// The single-pass O2 update's form for Adam or AdamW that reproduces libtorch's kernel on this
-/// machine (found at the first call): `(sq, wd, width)` as `src/shim/o2_adam.cpp` numbers them,
-/// `None` when there is none.
-pub(crate) fn o2_adam_form(adamw: bool) -> Result<Option<(i32, i32, i32)>> {
-    let (mut found, mut sq, mut wd, mut width): (c_int, c_int, c_int, c_int) = (0, 0, 0, 0);
-    // SAFETY: plain out-pointers to locals.
-    check(
-        unsafe { tch_amp_o2_adam_form(c_int::from(adamw), &mut found, &mut sq, &mut wd, &mut width) },
-        "o2_adam_form",
-    )?;
-    Ok((found == 1).then_some((sq, wd, width)))
 }
 
 /// One fused Adam or AdamW update (`h.adamw`) with libtorch's `_fused_adam(w)_`.

@@ -1,9 +1,14 @@
 //! The errors of [`crate::torch_checkpoint`]: a `torch.save` checkpoint that does not fit the
 //! model, optimizers or `Amp` it is loaded into (or options that do not fit the call). Files
 //! that cannot be read at all are [`crate::torch_io::TorchIoError`]s, wrapped in
-//! [`crate::AmpError::TorchFile`]; entries of the wrong type or missing entries too (their
-//! messages name the path in the file: `optimizer.param_groups.0.lr`).
+//! [`TorchCheckpointError::File`]; entries of the wrong type or missing entries too (their
+//! messages name the path in the file: `optimizer.param_groups.0.lr`). What tch-amp itself
+//! refuses (an amp state the scalers reject, a libtorch failure) is wrapped in
+//! [`TorchCheckpointError::Amp`].
 use tch::Kind;
+
+/// The result of [`crate::torch_checkpoint`]'s functions.
+pub type Result<T, E = TorchCheckpointError> = std::result::Result<T, E>;
 
 /// What does not fit. Every load that fails with one of these changed nothing.
 #[derive(Debug, thiserror::Error)]
@@ -128,4 +133,10 @@ pub enum TorchCheckpointError {
         /// What is wrong and what to do.
         message: String,
     },
+    /// The file cannot be read or written as a `torch.save` file (see [`crate::torch_io`]).
+    #[error(transparent)]
+    File(#[from] crate::torch_io::TorchIoError),
+    /// tch-amp refused or failed (an amp state the scalers reject, a libtorch call).
+    #[error(transparent)]
+    Amp(#[from] crate::AmpError),
 }

@@ -5,10 +5,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
+use super::error::Result;
 use super::error::TorchCheckpointError;
 use super::options::{KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use crate::dtype::{is_floating, is_low_precision};
-use crate::error::{AmpError, Result, TorchContext};
+use crate::error::{AmpError, TorchContext};
 use crate::optim::OptimizerRecord;
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -183,12 +184,7 @@ fn check_dtype(path: &str, name: &str, found: Kind, var: Kind, exact: bool) -> R
     } else {
         format!("a floating dtype (the variable is {var:?})")
     };
-    Err(AmpError::from(TorchCheckpointError::DtypeMismatch {
-        path: path.to_string(),
-        target: name.to_string(),
-        expected,
-        found,
-    }))
+    Err(TorchCheckpointError::DtypeMismatch { path: path.to_string(), target: name.to_string(), expected, found })
 }
 
 /// The trainable variables' names in the VarStore's creation order (tch keeps groups and

@@ -13,10 +13,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use tch::{nn, Device, Kind, Tensor};
 
+use super::error::Result;
 use super::error::TorchCheckpointError as E;
 use super::options::TorchParamOrder;
 use crate::dtype::is_floating;
-use crate::error::{Result, TorchContext};
+use crate::error::TorchContext;
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord, ParamRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -132,7 +133,7 @@ fn table(kind: &str) -> &'static [Hyper] {
 fn number(n: &Node<'_>) -> Result<f64> {
     match n.value() {
         Value::Tensor(t) if t.numel() == 1 => {
-            t.f_reshape([]).and_then(|t| t.f_double_value(&[])).ctx("reading a number held in a tensor")
+            Ok(t.f_reshape([]).and_then(|t| t.f_double_value(&[])).ctx("reading a number held in a tensor")?)
         }
         _ => Ok(n.as_f64()?),
     }
@@ -272,7 +273,7 @@ pub(super) fn resolve_order(
             })
             .collect::<Result<_>>()?;
         check_order(&order, &sizes, optimizer, index).map_err(|e| match e {
-            crate::AmpError::TorchCheckpoint(E::ParamOrder { optimizer, reason }) => {
+            E::ParamOrder { optimizer, reason } => {
                 E::ParamOrder { optimizer, reason: format!("the file's param_names: {reason}") }.into()
             }
             other => other,
@@ -654,7 +655,7 @@ pub(super) fn record_to_value(
     }
     let sizes: Vec<usize> = order.iter().map(Vec::len).collect();
     check_order(order, &sizes, optimizer, index).map_err(|e| match e {
-        crate::AmpError::TorchCheckpoint(E::ParamOrder { reason, .. }) => {
+        E::ParamOrder { reason, .. } => {
             E::Options { message: format!("param_order of optimizer {index}: {reason}") }.into()
         }
         other => other,

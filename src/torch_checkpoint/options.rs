@@ -1,4 +1,4 @@
-//! What [`super::load_torch_checkpoint`] and [`super::save_torch_checkpoint`] read and write:
+//! What [`crate::load_torch_checkpoint`] and [`crate::save_torch_checkpoint`] read and write:
 //! the keys of the checkpoint dict, strictness, the `module.` prefix, parameter orders.
 use std::collections::BTreeMap;
 
@@ -27,7 +27,7 @@ pub enum KeyPrefix {
     Keep,
 }
 
-/// Options of [`super::load_torch_checkpoint`]. The defaults read the dict of Apex's README
+/// Options of [`crate::load_torch_checkpoint`]. The defaults read the dict of Apex's README
 /// recipe, `{'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp':
 /// amp.state_dict(), ...}`; [`TorchLoadOptions::main_amp`] reads Apex's imagenet example
 /// (`main_amp.py`: `{'epoch', 'arch', 'state_dict', 'best_prec1', 'optimizer'}`).
@@ -142,7 +142,7 @@ impl TorchLoadOptions {
     }
 }
 
-/// Options of [`super::save_torch_checkpoint`]. The defaults write the dict of Apex's README
+/// Options of [`crate::save_torch_checkpoint`]. The defaults write the dict of Apex's README
 /// recipe; [`TorchSaveOptions::main_amp`] writes Apex's imagenet example's.
 #[derive(Debug)]
 pub struct TorchSaveOptions {

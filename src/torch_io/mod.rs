@@ -68,7 +68,7 @@
 //! with their views, tensor records, then the object pickle); it is tested against archives
 //! built to that layout and checked with torch 2.13's own reader, not against files written
 //! by a torch of that era (torch 2.13 cannot write it, and refuses it under `weights_only=True`).
-use std::io::{BufWriter, Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use tch::Device;
@@ -185,7 +185,9 @@ pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
 ///
 /// The file is written to a temporary file in the same folder, synced, renamed over `path`,
 /// and the folder synced: `path` holds either the previous file or the complete new one, and
-/// no temporary file is left behind on error.
+/// no temporary file is left behind on error. A temp file left by a writer that was killed
+/// (of this function or of [`crate::save_checkpoint`]) is removed by the next save into the
+/// same folder.
 ///
 /// # Errors
 /// [`TorchIoError::CannotSave`] for values the format cannot hold (sparse or quantized
@@ -194,31 +196,20 @@ pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
 /// reading a tensor fails, [`TorchIoError::Io`] when the file cannot be written.
 pub fn save(path: impl AsRef<Path>, value: &Value) -> Result<()> {
     let path = path.as_ref();
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".tch-amp-save-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(io_err("creating a temporary file in", dir))?;
-    {
-        let tmp_path = tmp.path().to_path_buf();
-        let w = container::write_zip(BufWriter::new(tmp.as_file_mut()), value)?;
-        w.into_inner().map_err(|e| TorchIoError::Io { op: "writing", path: tmp_path, source: e.into_error() })?;
+    // A value the format cannot hold fails inside the writer: kept here, the write aborted.
+    let mut refused: Option<TorchIoError> = None;
+    let written = crate::atomic_file::write_with(path, |w| match container::write_zip(w, value) {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            refused = Some(e);
+            Err(std::io::Error::other("the value cannot be saved"))
+        }
+    });
+    match (refused, written) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) => Err(TorchIoError::Io { op: "writing", path: path.to_path_buf(), source: e }),
+        (None, Ok(())) => Ok(()),
     }
-    tmp.as_file().sync_all().map_err(io_err("syncing", path))?;
-    tmp.persist(path).map_err(|e| TorchIoError::Io {
-        op: "renaming a temporary file to",
-        path: path.to_path_buf(),
-        source: e.error,
-    })?;
-    // The rename is durable once the folder is synced (Unix; elsewhere opening a folder fails).
-    if cfg!(unix) {
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("syncing the folder", dir))?;
-    }
-    Ok(())
 }
 
 /// The bytes [`save`] would write.

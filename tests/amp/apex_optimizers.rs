@@ -21,9 +21,10 @@ use crate::common::reference::{
 use serde_json::Value;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
+use tch_amp::optim::NovoGradNorm;
 use tch_amp::{
     load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb,
-    FusedNovoGrad, FusedSgd, NovoGradNorm, OptLevel, OptimizerConfig, ParamGroup,
+    FusedNovoGrad, FusedSgd, OptLevel, OptimizerConfig, ParamGroup,
 };
 
 const CASES: usize = 17;

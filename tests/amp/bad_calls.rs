@@ -341,5 +341,5 @@ fn out_of_range_states_and_scales_are_refused() {
 
 struct LossScalerFloor;
 impl LossScalerFloor {
-    const FLOOR: f64 = tch_amp::LossScaler::DEFAULT_MIN_LOSS_SCALE;
+    const FLOOR: f64 = tch_amp::scaling::LossScaler::DEFAULT_MIN_LOSS_SCALE;
 }

@@ -12,7 +12,8 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::{json, Value};
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, CastPolicy, LossScaler, OptLevel};
+use tch_amp::scaling::LossScaler;
+use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, CastPolicy, OptLevel};
 
 use crate::common::{batch, deterministic_init, Mlp};
 
@@ -638,7 +639,7 @@ fn fuzz_cast_files() {
                 if accepted.get() % 500 == 1 {
                     // The next steps: install, activate, run a cast op.
                     let handle =
-                        tch_amp::cast::install_policy(policy.clone(), tch_amp::CastSettings::default()).unwrap();
+                        tch_amp::cast::install_policy(policy.clone(), tch_amp::cast::CastSettings::default()).unwrap();
                     let _g = handle.activate(Device::Cpu).unwrap();
                     let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
                     let _ = a.mm(&a).exp().softmax(-1, Kind::Float);

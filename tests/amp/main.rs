@@ -8,7 +8,6 @@ mod bad_calls;
 mod bert_lamb;
 mod checkpointing;
 mod clip;
-mod cpu_speed;
 mod crash;
 mod foundation;
 mod fp16_utils;

@@ -1,7 +1,8 @@
 //! Apex's opt-level table (apex/amp/frontend.py at e13873de, classes O0-O3), the overrides,
 //! and every rejection of `amp.initialize`'s options as a typed error.
 use tch::Kind;
-use tch_amp::{AmpConfig, AmpError, LossScale, LossScaler, OptLevel, Properties};
+use tch_amp::scaling::LossScaler;
+use tch_amp::{AmpConfig, AmpError, LossScale, OptLevel, Properties};
 
 /// One row of Apex's table: cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
 /// master_weights, loss_scale (`None` = unset).
@@ -35,7 +36,7 @@ fn invalid<T: std::fmt::Debug>(r: Result<T, AmpError>, option: &str) {
 #[test]
 fn level_defaults_are_apexs_table() {
     for (level, (cast, patch, keep_bn, masters, scale)) in TABLE {
-        let d = level.defaults().unwrap();
+        let d = level.defaults();
         assert_eq!(d.opt_level, level);
         assert_eq!(d.cast_model_type, cast, "{level} cast_model_type");
         assert_eq!(d.patch_torch_functions, patch, "{level} patch_torch_functions");
@@ -45,9 +46,9 @@ fn level_defaults_are_apexs_table() {
         assert!(!d.brief.is_empty());
     }
     // Apex's own one-line descriptions.
-    assert_eq!(OptLevel::O0.defaults().unwrap().brief, "Pure FP32 training.");
-    assert_eq!(OptLevel::O2.defaults().unwrap().brief, "FP16 training with FP32 batchnorm and FP32 master weights.");
-    assert_eq!(OptLevel::O3.defaults().unwrap().brief, "Pure FP16 training.");
+    assert_eq!(OptLevel::O0.defaults().brief, "Pure FP32 training.");
+    assert_eq!(OptLevel::O2.defaults().brief, "FP16 training with FP32 batchnorm and FP32 master weights.");
+    assert_eq!(OptLevel::O3.defaults().brief, "Pure FP16 training.");
     assert_eq!(OptLevel::ALL, [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3]);
 }
 

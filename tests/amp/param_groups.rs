@@ -15,9 +15,10 @@ use crate::common::reference::{bits_equal, describe_diff, split_flat, torch_hype
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::optim::{GroupView, HyperParams, StateSpec};
 use tch_amp::{
-    load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpOptimizer, GroupView, HyperParams, OptLevel,
-    OptimizerConfig, ParamGroup, StateSpec, UpdateRule,
+    load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpOptimizer, OptLevel, OptimizerConfig, ParamGroup,
+    UpdateRule,
 };
 
 const SAVE_AT: i64 = 8;

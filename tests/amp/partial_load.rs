@@ -6,10 +6,9 @@
 //! nothing.
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{
-    load_checkpoint, load_model_weights, load_optimizer_state, save_checkpoint, Amp, AmpConfig, AmpError, AmpModel,
-    AmpOptimizer, LoadReport, OptLevel, OptimizerRecord,
-};
+use tch_amp::checkpoint::{load_model_weights, load_optimizer_state, LoadReport};
+use tch_amp::optim::OptimizerRecord;
+use tch_amp::{load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel};
 
 use crate::common::{batch, deterministic_init, Mlp};
 

@@ -7,10 +7,8 @@ use proptest::prelude::RngExt;
 use serde_json::json;
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{
-    diagnostics, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, LossScaler, NonFiniteGrad, OptLevel, ScalerState,
-    StepOutcome,
-};
+use tch_amp::scaling::{LossScaler, NonFiniteGrad, ScalerState};
+use tch_amp::{diagnostics, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, StepOutcome};
 
 use crate::common::{batch, deterministic_init, rng, Mlp};
 

@@ -7,10 +7,8 @@ use std::collections::BTreeMap;
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{
-    Amp, AmpConfig, AmpOptimizer, LossScale, LossScaler, OptLevel, ScaleChange, ScaleChangeReason, ScaleLossOptions,
-    StepOutcome,
-};
+use tch_amp::scaling::{LossScaler, ScaleChange, ScaleChangeReason};
+use tch_amp::{Amp, AmpConfig, AmpOptimizer, LossScale, OptLevel, ScaleLossOptions, StepOutcome};
 
 fn scaler(config: AmpConfig) -> LossScaler {
     LossScaler::new(&config.build().unwrap())

@@ -17,7 +17,8 @@ use std::time::Instant;
 use proptest::prelude::RngExt;
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{Amp, AmpConfig, AmpOptimizer, NonFiniteGrad, OptLevel, ScaleLossOptions, StepOutcome};
+use tch_amp::scaling::NonFiniteGrad;
+use tch_amp::{Amp, AmpConfig, AmpOptimizer, OptLevel, ScaleLossOptions, StepOutcome};
 
 use crate::common::{all_finite, batch, deterministic_init, isolated, rng, Mlp};
 

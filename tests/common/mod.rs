@@ -5,8 +5,9 @@ pub mod reference;
 
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::cast::{install_policy, ActivePolicyGuard, PolicyHandle};
-use tch_amp::{CastPolicy, CastSettings};
+use tch_amp::CastPolicy;
 
 /// Element-wise exact equality (same shape, same dtype, same bits for finite values).
 pub fn same(a: &Tensor, b: &Tensor) -> bool {

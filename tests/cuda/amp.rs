@@ -105,7 +105,11 @@ enum Inject {
     Fp32Grad,
 }
 
-fn train_step(r: &mut CudaRun, i: i64, inject: Option<Inject>) -> (tch_amp::ScaleLossOutcome, tch_amp::StepOutcome) {
+fn train_step(
+    r: &mut CudaRun,
+    i: i64,
+    inject: Option<Inject>,
+) -> (tch_amp::scaling::ScaleLossOutcome, tch_amp::StepOutcome) {
     let dev = r.vs.device();
     let (x, y) = cuda_batch(i, dev);
     r.opt.zero_grad().unwrap();
@@ -209,7 +213,7 @@ fn o2_inf_injected_on_cuda_skips_exactly_those_steps() {
     assert_eq!(scale, 4096.0);
     let history = run.amp.scaler(0).unwrap().history().to_vec();
     let overflows: Vec<u64> =
-        history.iter().filter(|c| c.reason == tch_amp::ScaleChangeReason::Overflow).map(|c| c.pass).collect();
+        history.iter().filter(|c| c.reason == tch_amp::scaling::ScaleChangeReason::Overflow).map(|c| c.pass).collect();
     assert_eq!(overflows, skipped_at);
     // The model is the masters rounded to fp16.
     for (name, m) in run.opt.param_names().iter().zip(run.opt.master_params()) {
@@ -317,12 +321,12 @@ fn unscale_on_cuda_checks_every_tensor_and_chunk() {
     let inv = Tensor::full([1], 1.0 / 16.0, (Kind::Float, dev));
     let grads = many_grads(dev);
     let found = flag();
-    tch_amp::unscale_(&grads, &found, &inv).unwrap();
+    tch_amp::optim::unscale_(&grads, &found, &inv).unwrap();
     assert_eq!(found.to_device(Device::Cpu).double_value(&[0]), 0.0);
     let cpu = many_grads(Device::Cpu);
     let cpu_found = Tensor::zeros([1], (Kind::Float, Device::Cpu));
     let cpu_inv = Tensor::full([1], 1.0 / 16.0, (Kind::Float, Device::Cpu));
-    tch_amp::unscale_(&cpu, &cpu_found, &cpu_inv).unwrap();
+    tch_amp::optim::unscale_(&cpu, &cpu_found, &cpu_inv).unwrap();
     for (i, (g, c)) in grads.iter().zip(&cpu).enumerate() {
         assert_eq!(g.kind(), c.kind(), "grad {i}");
         assert!(same(&g.to_device(Device::Cpu), c), "grad {i}: CUDA and CPU unscale differ");
@@ -338,7 +342,7 @@ fn unscale_on_cuda_checks_every_tensor_and_chunk() {
         let grads = many_grads(dev);
         let _ = grads[tensor].get(element).fill_(bad);
         let found = flag();
-        tch_amp::unscale_(&grads, &found, &inv).unwrap();
+        tch_amp::optim::unscale_(&grads, &found, &inv).unwrap();
         assert_eq!(found.to_device(Device::Cpu).double_value(&[0]), 1.0, "{bad} in grad {tensor}[{element}] not found");
     }
 }

@@ -5,8 +5,9 @@
 use crate::common::*;
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::cast::{classify_torch_error, AutocastGuard};
-use tch_amp::{AmpError, CastSettings};
+use tch_amp::AmpError;
 
 fn cuda() -> Device {
     assert!(tch::Cuda::is_available(), "the cuda-tests feature needs a CUDA device");

@@ -179,7 +179,7 @@ fn the_cache_is_emptied_when_the_outermost_activation_ends() {
     }
     assert_eq!(cast_cache_len().unwrap(), 0);
     // bf16 and fp16 casts of one weight are distinct entries.
-    let bf16 = apex_with(tch_amp::CastSettings::default().low_precision_dtype(Kind::BFloat16));
+    let bf16 = apex_with(tch_amp::cast::CastSettings::default().low_precision_dtype(Kind::BFloat16));
     let _a = on_cpu(&handle);
     let _ = x.mm(&w);
     let _b = on_cpu(&bf16);

@@ -7,9 +7,10 @@ use std::sync::{Arc, Barrier};
 use crate::common::*;
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Reduction, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::cast::{classify_torch_error, install_policy, AutocastGuard};
 use tch_amp::diagnostics::policy_active;
-use tch_amp::{disable_casts, without_casts, AmpError, CastPolicy, CastSettings};
+use tch_amp::{disable_casts, without_casts, AmpError, CastPolicy};
 
 const H: i64 = 64;
 const B: i64 = 16;

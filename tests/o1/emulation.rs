@@ -6,8 +6,9 @@
 use crate::common::*;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::cast::{install_policy, PolicyHandle};
-use tch_amp::{CastPolicy, CastSettings, CpuKernels};
+use tch_amp::{CastPolicy, CpuKernels};
 
 /// Emulation forced on, whatever this CPU's `Auto` choice.
 fn emulated() -> CastSettings {

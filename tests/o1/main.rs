@@ -6,8 +6,6 @@ mod common;
 mod cache;
 mod casts;
 mod emulation;
-mod handoff;
 mod policy;
 mod rnn;
 mod threads;
-mod weight_copies;

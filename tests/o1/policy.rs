@@ -5,9 +5,10 @@
 use crate::common::*;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Reduction, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::cast::{install_policy, AutocastGuard, Cast, CastLists};
 use tch_amp::diagnostics::{aten_overloads, emulated_ops, kernels_registered, libtorch_autocast_ops};
-use tch_amp::{AmpError, CastPolicy, CastSettings};
+use tch_amp::{AmpError, CastPolicy};
 
 #[test]
 fn shipped_policies_resolve() {

@@ -5,8 +5,9 @@
 use crate::common::*;
 use tch::nn::{self, RNN};
 use tch::{Device, Kind, Tensor};
+use tch_amp::cast::CastSettings;
 use tch_amp::diagnostics::cast_cache_len;
-use tch_amp::{CastSettings, CpuKernels};
+use tch_amp::CpuKernels;
 
 const H: i64 = 64;
 const B: i64 = 16;

@@ -1,6 +1,4 @@
-//! The model under AMP: O0/O2/O3's cast of the `VarStore` in place (batch norm optionally
-//! kept fp32) and the wrapper `initialize` returns, whose floating inputs go in as the model's
-//! dtype and floating outputs come back as fp32 (or `cast_model_outputs`).
+//! The model wrapper and the cast of its variables (see the module above).
 use std::collections::{BTreeMap, BTreeSet};
 
 use tch::nn::{Module, ModuleT, VarStore};

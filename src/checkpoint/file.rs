@@ -1,16 +1,6 @@
-//! Training checkpoints that resume bit-exactly: model variables (fp32, taken from the
-//! masters where there are masters, so nothing is rebuilt from fp16 as in Apex), each
-//! optimizer's [`OptimizerRecord`] (moments, step counts, learning rates) and the loss
-//! scalers, in one safetensors file written atomically. Loading checks everything first and
-//! changes nothing on a mismatch.
-//!
-//! Layout: tensors `model/<name>`, `optimizer<i>/<name>/<buffer>` and
-//! `optimizer<i>/<name>/step` (I64), and one metadata entry `tch_amp` holding [`Metadata`] as
-//! JSON (one key, so the file's bytes do not depend on a hash map's order).
+//! Writing and reading the checkpoint file (see the module above).
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -213,92 +203,7 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
     let header = std::collections::HashMap::from([(METADATA_KEY.to_string(), json)]);
     let bytes =
         safetensors::tensor::serialize(views, &Some(header)).map_err(|e| save_err(format!("serializing: {e:?}")))?;
-    write_atomically(path, &bytes)
-}
-
-/// The suffix of checkpoint temp files: `.<file name>.<pid>-<n>.tch-amp-tmp`.
-const TMP_SUFFIX: &str = ".tch-amp-tmp";
-
-/// Distinguishes the temp files of one process's concurrent saves.
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it over `path` and
-/// syncs the folder; on failure removes the temporary file and leaves `path` as it was.
-///
-/// The temp file is named `.<file name>.<pid>-<n>.tch-amp-tmp` and holds an exclusive advisory
-/// lock (flock) while it is written. A writer killed mid-save (SIGKILL, power loss) leaves it
-/// behind, unlocked (the kernel drops the locks of a dead process): every save first removes
-/// the temp files in its folder that it can lock, i.e. those of dead writers; temp files of
-/// live writers (other processes or threads) are locked and left alone.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let save_err = |source: std::io::Error| AmpError::Save { path: path.to_path_buf(), source };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let file_name = path.file_name().ok_or_else(|| save_err(std::io::Error::other("not a file path")))?;
-    remove_stale_temps(dir);
-    let (tmp, mut f) = create_locked_temp(dir, &file_name.to_string_lossy()).map_err(save_err)?;
-    let result = (|| {
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // The rename is durable once the folder is synced.
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(save_err(e));
-    }
-    Ok(())
-}
-
-/// Creates a new temp file in `dir` and locks it. A cleaner in another save may have locked
-/// and removed the file between its creation and our lock: then the path no longer names our
-/// file, and we start again with a new name.
-fn create_locked_temp(dir: &Path, file_name: &str) -> std::io::Result<(PathBuf, std::fs::File)> {
-    for _ in 0..16 {
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!(".{file_name}.{}-{n}{TMP_SUFFIX}", std::process::id()));
-        let f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-        fs4::FileExt::lock(&f)?;
-        if same_file(&f, &tmp) {
-            return Ok((tmp, f));
-        }
-    }
-    Err(std::io::Error::other("could not create a temp file: it was removed 16 times in a row"))
-}
-
-/// Whether `path` still names the open file `f`.
-fn same_file(f: &std::fs::File, path: &Path) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        match (f.metadata(), std::fs::metadata(path)) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = f;
-        path.exists()
-    }
-}
-
-/// Removes the checkpoint temp files in `dir` whose writer is gone (those we can lock).
-/// Best effort: errors leave the file for a later save.
-fn remove_stale_temps(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if !(name.starts_with('.') && name.ends_with(TMP_SUFFIX)) {
-            continue;
-        }
-        let Ok(f) = std::fs::OpenOptions::new().write(true).open(entry.path()) else { continue };
-        if fs4::FileExt::try_lock(&f).is_ok() && same_file(&f, &entry.path()) {
-            // Removed while we hold the lock, so no writer can have taken it meanwhile.
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
+    crate::atomic_file::write(path, &bytes).map_err(|source| AmpError::Save { path: path.to_path_buf(), source })
 }
 
 fn view_to_tensor(name: &str, v: &TensorView<'_>) -> Result<Tensor> {
