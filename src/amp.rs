@@ -9,7 +9,7 @@ use tch::{Device, Kind, TchError, Tensor};
 
 use crate::cast::disable::without_casts;
 use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, CpuFeatures, PolicyHandle};
-use crate::config::{AmpConfig, Properties};
+use crate::config::{AmpConfig, LossScale, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
 use crate::optim::{
@@ -121,9 +121,9 @@ impl Amp {
         let scalers: Vec<LossScaler> = (0..props.num_losses()).map(|_| LossScaler::new(&props)).collect();
         let last_overflows = vec![None; scalers.len()];
         if props.verbosity() >= 2 {
-            println!("tch-amp: {props:?}");
+            log::info!("tch-amp: {props:?}");
             let s = props.cast_settings();
-            println!(
+            log::info!(
                 "tch-amp: CPU fp16/bf16 GEMMs and convolutions: fp16 {:?}, bf16 {:?} (CPU {:?}: {})",
                 s.cpu_fp16,
                 s.cpu_bf16,
@@ -362,6 +362,10 @@ impl Amp {
             disable_casts_in_step: self.plan.o1,
             fp32_optimizer_state: self.props.fp32_optimizer_state(),
             master_weights: self.plan.masters,
+            pass_through: self.plan.disabled
+                || (!self.plan.masters
+                    && self.props.loss_scale() == LossScale::Static(1.0)
+                    && !self.props.check_static_overflow()),
         }
     }
 
@@ -374,8 +378,8 @@ impl Amp {
             if let Algorithm::Adam(_) | Algorithm::AdamW(_) = config.algorithm() {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED.call_once(|| {
-                    eprintln!(
-                        "tch-amp: warning: Adam/AdamW over fp16/bf16 parameters without fp32 masters (O3) keeps its \
+                    log::warn!(
+                        "tch-amp: Adam/AdamW over fp16/bf16 parameters without fp32 masters (O3) keeps its \
                          state in fp16, as Apex does: eps=1e-8 rounds to 0 and small squared gradients underflow, so \
                          the weights can turn NaN; AmpConfig::fp32_optimizer_state(true) updates them in fp32"
                     )
@@ -464,6 +468,7 @@ impl Amp {
                 loss.f_to_kind(Kind::Float).ctx("loss.float()")?
             };
             self.run_backward(backward, &l)?;
+            optimizers.iter_mut().for_each(|o| o.note_pass_through());
             return Ok(outcome(false, scale, false, true));
         }
         if !delay_unscale {
@@ -579,9 +584,9 @@ impl Amp {
                 params,
             };
             if self.props.verbosity() >= 1 {
-                println!("{report}");
+                log::warn!("{report}");
                 if scaler.is_dynamic() && new_scale <= floor && scale > floor {
-                    println!(
+                    log::warn!(
                         "loss scaler {loss_id} reached its floor {floor:e} (min_loss_scale): {} more overflows in a row \
                          there end in AmpError::ScaleCollapsed",
                         self.props.collapse_limit()

@@ -92,6 +92,36 @@ pub enum AmpError {
          run a scale_loss without delay_unscale before stepping"
     )]
     GradientsStillScaled,
+    /// A call out of the per-step order each optimizer keeps: `zero_grad` -> `scale_loss` (one
+    /// pass or more) -> `clip_grad_norm` -> `step`, as torch's GradScaler keeps `OptState`.
+    /// Examples: `step()` twice with no `scale_loss` in between (the second would apply the
+    /// same gradients again); `clip_grad_norm` before `scale_loss` (it would clip nothing) or
+    /// on gradients a `delay_unscale` pass left scaled; `step()` on gradients a backward
+    /// outside `scale_loss` made while the loss is scaled (they would be unscaled by nobody).
+    /// Nothing was changed.
+    #[error("{call} called {when}: {remedy}")]
+    CallOrder {
+        /// The call refused.
+        call: &'static str,
+        /// When it came.
+        when: &'static str,
+        /// The order to use.
+        remedy: &'static str,
+    },
+    /// Under O2, the model's fp16 gradients that `step` unscales into the fp32 master
+    /// gradients changed after `scale_loss` returned: they are still scaled then, so clipping
+    /// them (the usual tch habit, `clip_grad_norm` over `vs.trainable_variables()`) or any
+    /// other change would make `step` use wrong values. Clip with
+    /// [`crate::AmpOptimizer::clip_grad_norm`], which clips the fp32 master gradients (Apex's
+    /// `clip_grad_norm_(amp.master_params(optimizer))`). Nothing was changed.
+    #[error(
+        "the fp16 gradients of {params:?} changed between scale_loss and step(): they are still scaled; clip with \
+         opt.clip_grad_norm (it clips the fp32 master gradients)"
+    )]
+    ModelGradsChanged {
+        /// The parameters (at most five).
+        params: Vec<String>,
+    },
     /// No trainable variable of the `VarStore` lies under the path prefixes given.
     #[error("no variable of the VarStore lies under {prefixes:?} (prefixes are compared by whole path segments)")]
     NoVariablesUnder {

@@ -13,10 +13,12 @@ pub mod plot;
 pub mod progress;
 pub mod train;
 
-/// The examples' `main`: opts in to keeping freed CPU memory for reuse (a program's choice,
-/// `tch_amp::cast::keep_freed_cpu_memory`), runs `body` and prints an error as one line (with
-/// its causes), without a backtrace, exiting with status 1.
+/// The examples' `main`: a logger for tch-amp's messages (overflows, at `warn` by default;
+/// `RUST_LOG` changes it) on stderr, the opt-in to keeping freed CPU memory for reuse (a
+/// program's choice, `tch_amp::cast::keep_freed_cpu_memory`), then `body`; an error is printed
+/// as one line (with its causes), without a backtrace, exiting with status 1.
 pub fn main(body: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let _ = tch_amp::cast::keep_freed_cpu_memory();
     match body() {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -196,6 +196,8 @@ impl AmpConfig {
         self
     }
     /// 0 = silent, 1 = Apex's messages (default), 2 = also the resolved options at initialize.
+    /// Messages go through the `log` crate (overflows and warnings at `warn`, the resolved
+    /// options at `info`), never to stdout: the program's logger decides where they go.
     pub fn verbosity(mut self, v: u8) -> Self {
         self.verbosity = Some(v);
         self

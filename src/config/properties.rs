@@ -77,7 +77,8 @@ impl Properties {
     pub fn max_loss_scale(&self) -> f64 {
         self.max_loss_scale
     }
-    /// 0 = silent, 1 = Apex's messages (overflow lines), 2 = also the resolved options.
+    /// 0 = silent, 1 = Apex's messages (overflow lines, `log::warn!`), 2 = also the resolved
+    /// options (`log::info!`).
     pub fn verbosity(&self) -> u8 {
         self.verbosity
     }

@@ -598,7 +598,7 @@ impl Fp16Optimizer {
         }
         if self.overflow {
             if self.verbose {
-                println!("Gradient overflow.  Skipping step, reducing loss scale to {}", self.scaler.loss_scale());
+                log::warn!("Gradient overflow.  Skipping step, reducing loss scale to {}", self.scaler.loss_scale());
             }
             return Ok(false);
         }

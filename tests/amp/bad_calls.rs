@@ -84,8 +84,8 @@ fn o2_backward_without_scale_loss_is_an_error() {
     assert_unchanged(&before, &r, "plain backward");
 }
 
-/// step() with no gradient at all, and step() twice after one overflow (the skip clears the
-/// gradients): NoGradients, nothing changed.
+/// step() with no gradient at all (NoGradients), and step() twice after one overflow (the
+/// skip clears the gradients; the second step is out of order: CallOrder), nothing changed.
 #[test]
 fn step_without_gradients_and_twice_after_an_overflow() {
     for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
@@ -102,9 +102,133 @@ fn step_without_gradients_and_twice_after_an_overflow() {
         r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
         assert!(matches!(r.opt.step(), Ok(StepOutcome::Skipped { .. })));
         let before = snapshot(&r);
-        assert!(matches!(r.opt.step(), Err(AmpError::NoGradients)), "{level}: second step after a skip");
+        assert!(
+            matches!(r.opt.step(), Err(AmpError::CallOrder { call: "step()", .. })),
+            "{level}: second step after a skip"
+        );
         assert_unchanged(&before, &r, "second step");
     }
+}
+
+/// step() twice after a clean step used to return Stepped at every level (O1 applied the whole
+/// update again; O2 moved only its fp32 parameters). Now the second is CallOrder at O0-O3,
+/// nothing changed, and the next scale_loss pass makes step() work again.
+#[test]
+fn step_twice_is_refused_at_every_level() {
+    for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        let mut r = run(AmpConfig::new(level), nn::Sgd { momentum: 0.9, ..Default::default() });
+        good_step(&mut r, 0);
+        let before = snapshot(&r);
+        match r.opt.step() {
+            Err(AmpError::CallOrder { call: "step()", when, .. }) => assert!(when.contains("twice"), "{level}: {when}"),
+            other => panic!("{level}: {other:?}"),
+        }
+        assert_unchanged(&before, &r, "second step");
+        // Without zero_grad too: a new pass is what the order asks for.
+        let l = loss(&r, 1);
+        r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
+        assert!(r.opt.step().unwrap().stepped(), "{level}");
+    }
+}
+
+/// clip_grad_norm before scale_loss used to return Ok(0.0) (clipping silently off); after
+/// step() it clipped gradients already used. Both are CallOrder at every level.
+#[test]
+fn clip_outside_the_order_is_refused() {
+    for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        let mut r = run(AmpConfig::new(level), nn::Sgd::default());
+        r.opt.zero_grad().unwrap();
+        let e = r.opt.clip_grad_norm(1.0, 2.0).unwrap_err();
+        assert!(
+            matches!(e, AmpError::CallOrder { call: "clip_grad_norm()", when: "before scale_loss", .. }),
+            "{level}: {e}"
+        );
+        good_step(&mut r, 0);
+        let e = r.opt.clip_grad_norm(1.0, 2.0).unwrap_err();
+        assert!(matches!(e, AmpError::CallOrder { call: "clip_grad_norm()", .. }), "{level}: {e}");
+        assert!(e.to_string().starts_with("clip_grad_norm() called after step()"), "{e}");
+    }
+    // Where scale_loss passes the loss through (O0), a plain backward is the same pass: clipping
+    // and stepping on it work.
+    let mut r = run(AmpConfig::new(OptLevel::O0), nn::Sgd::default());
+    loss(&r, 0).backward();
+    assert!(r.opt.clip_grad_norm(1.0, 2.0).unwrap() > 0.0);
+    assert!(r.opt.step().unwrap().stepped());
+}
+
+/// O1: a plain loss.backward() outside scale_loss used to train with no loss scale at all.
+/// step() now refuses those gradients (CallOrder), nothing changed.
+#[test]
+fn o1_backward_outside_scale_loss_is_refused() {
+    let mut r = run(AmpConfig::new(OptLevel::O1), nn::Adam::default());
+    good_step(&mut r, 0);
+    r.opt.zero_grad().unwrap();
+    loss(&r, 1).backward();
+    let before = snapshot(&r);
+    match r.opt.step() {
+        Err(AmpError::CallOrder { call: "step()", when, .. }) => assert!(when.contains("no scale_loss"), "{when}"),
+        other => panic!("{other:?}"),
+    }
+    assert_unchanged(&before, &r, "backward outside scale_loss");
+}
+
+/// timm's native-AMP habit ported to O2: clipping the model's own gradients after scale_loss
+/// (they are the fp16 gradients step() still has to unscale) used to step from clipped scaled
+/// values silently. step() now names them (ModelGradsChanged), nothing changed; clipping with
+/// opt.clip_grad_norm (the fp32 master gradients, Apex's way) steps. At O1 the model's
+/// gradients are already unscaled when scale_loss returns, so clipping them is fine.
+#[test]
+fn clipping_the_fp16_model_gradients_under_o2_is_refused() {
+    let clip_model_grads = |vs: &VarStore| {
+        let _g = tch::no_grad_guard();
+        for v in vs.trainable_variables() {
+            let mut g = v.grad();
+            if g.defined() {
+                let _ = g.g_mul_scalar_(0.5);
+            }
+        }
+    };
+    let mut r = run(AmpConfig::new(OptLevel::O2), nn::Adam::default());
+    good_step(&mut r, 0);
+    r.opt.zero_grad().unwrap();
+    let l = loss(&r, 1);
+    r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
+    clip_model_grads(&r.vs);
+    let before = snapshot_without_masters(&r);
+    match r.opt.step() {
+        Err(AmpError::ModelGradsChanged { params }) => {
+            assert_eq!(params, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_unchanged_without_masters(&before, &r, "clipped fp16 gradients");
+    // The right way: a fresh pass, then clip the fp32 master gradients.
+    r.opt.zero_grad().unwrap();
+    let l = loss(&r, 1);
+    r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
+    assert!(r.opt.clip_grad_norm(1.0, 2.0).unwrap() > 0.0);
+    assert!(r.opt.step().unwrap().stepped());
+    // O1: the model's gradients are the unscaled ones; clipping them is the user's choice.
+    let mut r = run(AmpConfig::new(OptLevel::O1), nn::Adam::default());
+    let l = loss(&r, 1);
+    r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
+    clip_model_grads(&r.vs);
+    assert!(r.opt.step().unwrap().stepped());
+}
+
+/// [`snapshot`] without `master_params()` (which would make O2's pending master gradients).
+fn snapshot_without_masters(r: &Run) -> (Vec<(String, Tensor)>, String, (u64, u64)) {
+    let mut vars: Vec<(String, Tensor)> = r.vs.variables().into_iter().map(|(k, v)| (k, v.copy())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    (vars, r.amp.state_dict_json(), r.opt.step_counts())
+}
+
+fn assert_unchanged_without_masters(before: &(Vec<(String, Tensor)>, String, (u64, u64)), r: &Run, what: &str) {
+    let after = snapshot_without_masters(r);
+    for ((n, a), (_, b)) in before.0.iter().zip(&after.0) {
+        assert!(same(a, b), "{what}: {n} changed");
+    }
+    assert_eq!((&before.1, before.2), (&after.1, after.2), "{what}: amp state or step counts changed");
 }
 
 fn checkpoint_of(r: &Run, dir: &tempfile::TempDir, name: &str) -> std::path::PathBuf {

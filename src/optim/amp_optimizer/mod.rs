@@ -1,0 +1,622 @@
+//! The optimizer `initialize` returns: steps the fp32 masters (O2) or the model's own
+//! variables, skips a step after an overflow, clips on the master gradients.
+//!
+//! An adaptor around an [`UpdateRule`] (run by `engine`), split by job: the user's API and the
+//! per-step [`Stage`] here; the hooks `scale_loss` calls in `protocol`; O2's master gradients
+//! in `masters`; what it saves and restores in `records`.
+use std::sync::{Mutex, MutexGuard};
+
+use tch::nn::VarStore;
+use tch::Tensor;
+
+use super::engine::Optimizer;
+use super::grads::{clear_grad, total_norm};
+use super::groups::{resolve, ParamGroup, ResolvedGroup};
+use super::params::{copy_masters_to_model, ParamEntry};
+use super::rule::{HyperParams, UpdateRule};
+use super::rules::OptimizerConfig;
+use crate::error::{mismatch, AmpError, Result, TorchContext};
+use crate::scaling::OverflowReport;
+
+mod masters;
+mod protocol;
+mod records;
+
+use masters::HalfGrads;
+pub(crate) use protocol::CollapseInfo;
+use protocol::PendingSkip;
+
+/// What [`AmpOptimizer::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutcome {
+    /// The parameters were updated.
+    Stepped,
+    /// The step was skipped because a loss that reached this optimizer overflowed; weights,
+    /// masters and optimizer state are untouched, and every gradient of the optimizer (model
+    /// and master) is cleared.
+    Skipped {
+        /// The loss whose scaler saw the overflow.
+        loss_id: usize,
+        /// That scaler's scale after reducing it.
+        loss_scale: f64,
+    },
+}
+
+impl StepOutcome {
+    /// True for [`StepOutcome::Stepped`].
+    pub fn stepped(&self) -> bool {
+        matches!(self, StepOutcome::Stepped)
+    }
+}
+
+/// Bytes held by the tensors an optimizer manages, as [`AmpOptimizer::memory`] counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Number of trainable parameters (elements).
+    pub params: usize,
+    /// The model's trainable variables.
+    pub weights: usize,
+    /// fp32 master copies (0 without master weights; self-mastered fp32 variables count once,
+    /// under `weights`).
+    pub masters: usize,
+    /// Gradients alive now (model and master).
+    pub grads: usize,
+    /// Optimizer state (moments, momentum buffers).
+    pub optimizer_state: usize,
+}
+
+impl MemoryReport {
+    /// Everything together.
+    pub fn total(&self) -> usize {
+        self.weights + self.masters + self.grads + self.optimizer_state
+    }
+    /// Bytes per trainable parameter.
+    pub fn bytes_per_param(&self) -> f64 {
+        self.total() as f64 / self.params.max(1) as f64
+    }
+}
+
+/// A parameter's gradient as it stands: its master's, or the model's fp16 one while O2's
+/// slice-wise step has not made the master's yet (see [`HalfGrads`]).
+fn latest_grad(e: &ParamEntry) -> Tensor {
+    let g = e.update_target().grad();
+    if !g.defined() && e.master().is_some() {
+        e.model().grad()
+    } else {
+        g
+    }
+}
+
+fn bytes(t: &Tensor) -> usize {
+    if t.defined() {
+        t.numel() * t.kind().elt_size_in_bytes()
+    } else {
+        0
+    }
+}
+
+/// Where an optimizer stands in the per-step order `zero_grad` -> `scale_loss` (one pass or
+/// more) -> `clip_grad_norm` -> `step`, as torch's GradScaler keeps an `OptState` per
+/// optimizer. Every call checks it; a call out of order is a typed error that changes nothing.
+#[derive(Debug, Default)]
+enum Stage {
+    /// No `scale_loss` pass since the last `step` or `zero_grad`.
+    #[default]
+    Ready,
+    /// A `delay_unscale` pass left the gradients scaled.
+    Scaled,
+    /// A pass unscaled the gradients. Under O2 the model's fp16 gradients may still wait for
+    /// `step` (`half`, see [`HalfGrads`], which records them as the pass left them).
+    Unscaled { half: Option<HalfGrads> },
+    /// A pass overflowed: the next `step` skips (later passes do not change that).
+    Overflowed(PendingSkip),
+    /// The gradients vanished with the scale at its floor: the next `step` reports it.
+    Vanished(CollapseInfo),
+    /// `step` ran: a `scale_loss` pass must come before the next `step` or clip.
+    Stepped,
+}
+
+/// How an [`crate::Amp`] sets up the optimizers it makes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OptimizerSetup {
+    /// The id of the `Amp` that made the optimizer (`scale_loss` refuses others' optimizers).
+    pub(crate) amp_id: u64,
+    /// Run the update with O1's casts off (Apex's optimizers ran outside the patched functions).
+    pub(crate) disable_casts_in_step: bool,
+    /// Update fp16/bf16 parameters without masters in fp32 with fp32 state.
+    pub(crate) fp32_optimizer_state: bool,
+    /// fp16/bf16 parameters get fp32 masters (O2), also when added later.
+    pub(crate) master_weights: bool,
+    /// `scale_loss` hands the loss straight to backward (disabled AMP, or a static scale of 1
+    /// without masters): a plain `backward` gives the same gradients.
+    pub(crate) pass_through: bool,
+}
+
+/// How the parameters of a new optimizer are grouped.
+#[derive(Debug)]
+pub(crate) enum Layout {
+    /// One group per tch group (`Path::set_group`) of the entries, by ascending id; the
+    /// parameters in the entries' (name) order.
+    TchGroups(Vec<ParamEntry>),
+    /// The given groups, in order (id = position); parameters group by group.
+    Groups(Vec<ResolvedGroup>),
+}
+
+/// An optimizer under AMP. Made by [`crate::Amp::optimizer`] or [`crate::initialize`].
+#[derive(Debug)]
+pub struct AmpOptimizer {
+    setup: OptimizerSetup,
+    inner: Optimizer,
+    entries: Vec<ParamEntry>,
+    /// Gradients of self-mastered parameters set aside at `scale_loss` entry (accumulation).
+    stash: Vec<Option<Tensor>>,
+    /// Where the optimizer stands in the per-step order; behind a mutex so that
+    /// [`Self::master_params`] (`&self`) can make O2's pending master gradients.
+    stage: Mutex<Stage>,
+    last_overflow: Option<OverflowReport>,
+    steps: u64,
+    skipped: u64,
+}
+
+impl AmpOptimizer {
+    /// An optimizer running `rule` (made from `config` for the built-ins) over `layout`.
+    pub(crate) fn build(
+        setup: OptimizerSetup,
+        rule: Box<dyn UpdateRule>,
+        config: Option<OptimizerConfig>,
+        lr: f64,
+        layout: Layout,
+    ) -> Result<Self> {
+        let mut inner = Optimizer::new(rule, config, lr, setup.fp32_optimizer_state)?;
+        let defaults = inner.defaults().clone();
+        let mut entries = Vec::new();
+        match layout {
+            Layout::TchGroups(list) => {
+                let mut ids: Vec<usize> = list.iter().map(ParamEntry::group).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                for &id in &ids {
+                    inner.push_empty_group(id, lr, defaults.clone());
+                }
+                for e in list {
+                    let gi = ids.iter().position(|&id| id == e.group()).unwrap_or(0);
+                    inner.push_param(e.name().to_string(), e.update_target().shallow_clone(), gi);
+                    entries.push(e);
+                }
+            }
+            Layout::Groups(groups) => {
+                // Check every group before building any.
+                let mut checked = Vec::with_capacity(groups.len());
+                for g in &groups {
+                    let glr = g.lr.unwrap_or(lr);
+                    checked.push((glr, inner.group_hyper(glr, &g.overrides)?));
+                }
+                for (id, (g, (glr, hyper))) in groups.into_iter().zip(checked).enumerate() {
+                    let params =
+                        g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
+                    inner.push_group(id, glr, hyper, params);
+                    entries.extend(g.entries);
+                }
+            }
+        }
+        let stash = entries.iter().map(|_| None).collect();
+        Ok(Self {
+            setup,
+            inner,
+            entries,
+            stash,
+            stage: Mutex::new(Stage::Ready),
+            last_overflow: None,
+            steps: 0,
+            skipped: 0,
+        })
+    }
+
+    /// The default learning rate (of groups that do not set their own, and of groups added
+    /// later).
+    pub fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    /// Sets the learning rate of every parameter group, and the default (torch: `for g in
+    /// optimizer.param_groups: g["lr"] = lr`).
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.inner.set_lr(lr)
+    }
+
+    /// Sets the learning rate of one parameter group (torch: `param_groups[i]["lr"] = lr`).
+    /// Group ids are those of [`Self::param_groups`]: for an optimizer built from a VarStore's
+    /// groups, the tch group (variables created under `vs.root().set_group(group)`); for one
+    /// built from [`ParamGroup`]s, the group's position.
+    ///
+    /// # Errors
+    /// [`AmpError::UnknownParamGroup`] for a group id the optimizer does not have;
+    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        let index = self.group_index(group)?;
+        self.inner.set_group_lr(index, lr)
+    }
+
+    /// Sets one hyper-parameter of one parameter group (torch: `param_groups[i]["weight_decay"]
+    /// = 0.0`; `"lr"` is the learning rate). Checked as at construction.
+    ///
+    /// # Errors
+    /// [`AmpError::UnknownParamGroup`]; [`AmpError::UnknownHyperParameter`] for a key the
+    /// optimizer does not have; [`AmpError::InvalidOption`] for a value the rule refuses
+    /// (nothing changes).
+    pub fn set_hyper_parameter(&mut self, group: usize, key: &str, value: f64) -> Result<()> {
+        let index = self.group_index(group)?;
+        if key == "lr" {
+            return self.inner.set_group_lr(index, value);
+        }
+        self.inner.set_group_hyper(index, key, value)
+    }
+
+    /// The hyper-parameters of one parameter group (without `lr`: [`Self::lr_group`]), or
+    /// `None` for an unknown group.
+    pub fn hyper_parameters_group(&self, group: usize) -> Option<&HyperParams> {
+        self.inner.group_index(group).map(|i| &self.inner.groups()[i].hyper)
+    }
+
+    /// The names of the parameters of one group, in the optimizer's order (empty for an
+    /// unknown group).
+    pub fn group_param_names(&self, group: usize) -> Vec<&str> {
+        let Some(index) = self.inner.group_index(group) else { return Vec::new() };
+        self.entries.iter().zip(self.inner.group_of()).filter(|(_, &gi)| gi == index).map(|(e, _)| e.name()).collect()
+    }
+
+    /// The ids of this optimizer's parameter groups, in order (torch's `param_groups`).
+    pub fn param_groups(&self) -> Vec<usize> {
+        self.inner.groups().iter().map(|g| g.id).collect()
+    }
+
+    fn group_index(&self, group: usize) -> Result<usize> {
+        self.inner.group_index(group).ok_or_else(|| AmpError::UnknownParamGroup { group, groups: self.param_groups() })
+    }
+
+    /// torch.optim's `add_param_group` after `initialize` (Apex patches it the same way under
+    /// O2): adds a group over the trainable variables of `vs` that `group` selects (created
+    /// after `initialize`, or left out of the optimizer until now), with fp32 masters for the
+    /// fp16/bf16 ones under master weights. Hyper-parameters the group does not set are the
+    /// optimizer's defaults (torch's `defaults`), the learning rate the default
+    /// [`Self::lr`]. The new parameters start without state; checkpoints and records cover the
+    /// new group (an optimizer loading them must have the same groups). Returns the new group's
+    /// id.
+    ///
+    /// Variables made after the model was cast are not cast (as in Apex): make them in the
+    /// model's dtype (fp16 under O2) to get masters.
+    ///
+    /// # Errors
+    /// [`AmpError::ParamInTwoGroups`] for a variable the optimizer already holds;
+    /// [`AmpError::UnknownVariable`], [`AmpError::NoVariablesUnder`] for a selection that names
+    /// no variable; [`AmpError::UnknownHyperParameter`] and [`AmpError::InvalidOption`] for the
+    /// group's settings. Nothing changes then.
+    pub fn add_param_group(&mut self, vs: &VarStore, group: ParamGroup) -> Result<usize> {
+        let taken: Vec<&str> = self.param_names();
+        let mut resolved = resolve(vs, std::slice::from_ref(&group), &taken, self.setup.master_weights)?;
+        let g = resolved.pop().ok_or_else(|| mismatch("no group resolved"))?;
+        let glr = g.lr.unwrap_or(self.inner.lr());
+        let hyper = self.inner.group_hyper(glr, &g.overrides)?;
+        if let (Some(d), Some(e)) = (self.device(), g.entries.first()) {
+            if e.model().device() != d {
+                return Err(AmpError::InvalidOption {
+                    option: "add_param_group",
+                    value: format!("{:?}", e.model().device()),
+                    expected: "variables on the optimizer's device",
+                });
+            }
+        }
+        let id = self.inner.groups().iter().map(|g| g.id + 1).max().unwrap_or(0);
+        let params = g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
+        self.inner.push_group(id, glr, hyper, params);
+        for e in g.entries {
+            self.entries.push(e);
+            self.stash.push(None);
+        }
+        Ok(id)
+    }
+
+    /// The diagnostics of the last overflow that made this optimizer skip a step (kept until
+    /// the next one): which parameters had inf/NaN gradients, with counts.
+    pub fn last_overflow(&self) -> Option<&OverflowReport> {
+        self.last_overflow.as_ref()
+    }
+
+    /// The learning rate of `group` (the default [`Self::lr`] for an unknown group).
+    pub fn lr_group(&self, group: usize) -> f64 {
+        self.inner.group_index(group).map_or(self.inner.lr(), |i| self.inner.groups()[i].lr)
+    }
+
+    /// The built-in configuration the optimizer runs (`None` for a user's
+    /// [`UpdateRule`]).
+    pub fn config(&self) -> Option<OptimizerConfig> {
+        self.inner.config()
+    }
+
+    /// The update rule's kind ([`UpdateRule::kind`]: `"adamw"`, `"fused_lamb"`, ...).
+    pub fn rule_kind(&self) -> &str {
+        self.inner.rule().kind()
+    }
+
+    /// Steps taken and steps skipped so far.
+    pub fn step_counts(&self) -> (u64, u64) {
+        (self.steps, self.skipped)
+    }
+
+    /// The parameters this optimizer updates: the fp32 masters for low-precision model
+    /// variables under master weights, the model's own variables otherwise (Apex's
+    /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
+    ///
+    /// Between `scale_loss` and `step` under O2 this makes the fp32 master gradients (unscaled)
+    /// from the model's fp16 ones, which `step` would otherwise make a slice at a time (see
+    /// [`Self::memory`]); if that fails (out of memory) the masters are returned without them.
+    pub fn master_params(&self) -> Vec<Tensor> {
+        let _ = self.make_master_grads();
+        self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
+    }
+
+    /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
+    pub fn param_names(&self) -> Vec<&str> {
+        self.entries.iter().map(ParamEntry::name).collect()
+    }
+
+    /// Bytes held right now by the weights, masters, gradients and optimizer state.
+    ///
+    /// Under O2 the gradients between `scale_loss` and `step` are the model's fp16 ones (2 bytes
+    /// per parameter): `step` unscales each into fp32 a slice of at most 256 Ki elements at a
+    /// time (in storage whose values are spent), updates that slice of the master and rounds it
+    /// into the model, so with Adam the peak is 16 bytes per parameter (2 fp16 weight, 4 master,
+    /// 2 fp16 grad, 8 state) plus the update rule's own temporaries for one slice (none for
+    /// fused Adam; Apex held 20 bytes: it kept fp16 and fp32 gradients).
+    pub fn memory(&self) -> MemoryReport {
+        let mut r = MemoryReport::default();
+        for (e, st) in self.entries.iter().zip(self.inner.states()) {
+            r.params += e.model().numel();
+            r.weights += bytes(e.model());
+            r.grads += bytes(&e.model().grad());
+            if let Some(m) = e.master() {
+                r.masters += bytes(m);
+                r.grads += bytes(&m.grad());
+            }
+            r.optimizer_state += st.buffers().values().map(bytes).sum::<usize>();
+        }
+        r
+    }
+
+    /// Whether the next [`Self::step`] will be skipped (an overflow was seen).
+    pub fn will_skip(&self) -> bool {
+        matches!(*self.stage(), Stage::Overflowed(_))
+    }
+
+    /// The stage (a poisoned lock is recovered: the stage is plain data, never left half-set).
+    fn stage(&self) -> MutexGuard<'_, Stage> {
+        self.stage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves to `next`, unless a skip or a collapse is pending: those stay until `step`.
+    fn enter(&mut self, next: Stage) {
+        let stage = self.stage.get_mut().unwrap_or_else(|e| e.into_inner());
+        if !matches!(stage, Stage::Overflowed(_) | Stage::Vanished(_)) {
+            *stage = next;
+        }
+    }
+
+    /// Sets every gradient (model and master) to None, freeing its memory, and forgets any
+    /// pending scaled contribution.
+    ///
+    /// # Errors
+    /// [`AmpError::Shim`] if libtorch refuses (not expected).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        for e in &self.entries {
+            clear_grad(e.model())?;
+            if let Some(m) = e.master() {
+                clear_grad(m)?;
+            }
+        }
+        self.stash.iter_mut().for_each(|s| *s = None);
+        self.enter(Stage::Ready);
+        Ok(())
+    }
+
+    /// Updates the parameters from their (unscaled) gradients, or skips the update when a
+    /// loss that reached this optimizer overflowed since the last step. With master weights
+    /// the fp16 model is then set to the masters rounded to fp16.
+    ///
+    /// # Errors
+    /// - [`AmpError::ScaleCollapsed`]: the step was skipped (as `Skipped`) and the scaler has
+    ///   overflowed `collapse_limit` passes in a row at its floor;
+    /// - [`AmpError::GradientsVanished`]: nothing stepped; the scale sits at its floor and the
+    ///   gradients were all zero `collapse_limit` passes in a row;
+    /// - [`AmpError::GradientsStillScaled`] when the last `scale_loss` used `delay_unscale`;
+    /// - [`AmpError::GradientsNotUnscaled`]: an fp16 model variable holds a gradient its fp32
+    ///   master lacks (a backward outside `scale_loss`); nothing changes;
+    /// - [`AmpError::NoGradients`]: no parameter has a gradient (no backward since the last
+    ///   step or `zero_grad`, e.g. a second `step()` after a skipped one); nothing changes;
+    /// - [`AmpError::Torch`] if an update fails.
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        self.step_checked(false)
+    }
+
+    /// [`Self::step`] for a caller that made the fp32 master gradients itself and keeps the fp16
+    /// model's gradients in place (the legacy FP16_Optimizer: Apex leaves them there), so they
+    /// are not taken for a backward outside `scale_loss`.
+    pub(crate) fn step_keeping_model_grads(&mut self) -> Result<StepOutcome> {
+        self.step_checked(true)
+    }
+
+    /// `model_grads_expected`: fp16 model gradients beside their masters are the caller's, not
+    /// a stray backward.
+    fn step_checked(&mut self, legacy: bool) -> Result<StepOutcome> {
+        let stage = std::mem::take(&mut *self.stage());
+        let half = match stage {
+            Stage::Overflowed(skip) => {
+                // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex
+                // clears only the masters of fp16 variables, so an fp32 variable's inf survives
+                // into the next pass when the caller accumulates without zero_grad.)
+                self.zero_grad()?;
+                *self.stage() = Stage::Stepped;
+                self.skipped = self.skipped.saturating_add(1);
+                self.last_overflow = Some(skip.report);
+                if let Some(collapse) = skip.collapse {
+                    return Err(collapse.error());
+                }
+                return Ok(StepOutcome::Skipped { loss_id: skip.loss_id, loss_scale: skip.loss_scale });
+            }
+            Stage::Vanished(collapse) => {
+                *self.stage() = Stage::Stepped;
+                return Err(collapse.error());
+            }
+            Stage::Unscaled { half } => half,
+            other => {
+                let refused = match other {
+                    Stage::Scaled => Some(AmpError::GradientsStillScaled),
+                    Stage::Stepped if !legacy => Some(AmpError::CallOrder {
+                        call: "step()",
+                        when: "twice with no scale_loss in between",
+                        remedy: "per update: zero_grad(), scale_loss(..), step()",
+                    }),
+                    Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
+                        // O2's fp16 gradients without masters' are named by check_gradients.
+                        self.check_gradients(false)?;
+                        Some(AmpError::CallOrder {
+                            call: "step()",
+                            when: "on gradients no scale_loss produced (a backward outside it)",
+                            remedy: "run backward inside amp.scale_loss(&loss, .., |s| s.backward())",
+                        })
+                    }
+                    _ => None,
+                };
+                if let Some(e) = refused {
+                    *self.stage() = other;
+                    return Err(e);
+                }
+                None
+            }
+        };
+        if let Err(e) =
+            self.check_gradients(half.is_some() || legacy).and_then(|()| self.check_unchanged(half.as_ref()))
+        {
+            *self.stage() = Stage::Unscaled { half };
+            return Err(e);
+        }
+        let update = |this: &mut Self| -> Result<()> {
+            // Parameters holding their gradient (fp32 variables, masters whose gradient was
+            // made at once); then the masters whose gradient is still the model's fp16 one.
+            this.inner.step()?;
+            match half {
+                Some(h) => this.step_from_half_grads(&h),
+                None => copy_masters_to_model(&this.entries),
+            }
+        };
+        let result = if self.setup.disable_casts_in_step {
+            crate::cast::disable::without_casts(|| update(self))?
+        } else {
+            update(self)
+        };
+        if let Err(e) = result {
+            // A slice-wise step uses spent gradients and not-yet-rounded weights as scratch:
+            // set the model back to the (rounded) masters and drop the gradients.
+            copy_masters_to_model(&self.entries)?;
+            self.zero_grad()?;
+            *self.stage() = Stage::Ready;
+            return Err(e);
+        }
+        // As Apex: master grads are not reached by zeroing the model's grads, so they are
+        // released here (which also frees their memory until the next backward).
+        for m in self.entries.iter().filter_map(ParamEntry::master) {
+            clear_grad(m)?;
+        }
+        self.steps = self.steps.saturating_add(1);
+        *self.stage() = Stage::Stepped;
+        Ok(StepOutcome::Stepped)
+    }
+
+    /// Whether some parameter holds a gradient (its own, its master's or, under O2, its fp16
+    /// model gradient).
+    fn any_grad(&self) -> bool {
+        self.entries.iter().any(|e| e.update_target().grad().defined() || e.model().grad().defined())
+    }
+
+    /// Refuses a call out of the per-step order before clipping: after `step`, before any
+    /// `scale_loss` pass (unless `scale_loss` passes the loss through and backward ran), or on
+    /// still-scaled gradients.
+    fn check_clip_stage(&self) -> Result<()> {
+        let when = match &*self.stage() {
+            Stage::Scaled => "while the gradients are still scaled (the last scale_loss used delay_unscale)",
+            Stage::Stepped => "after step() and before the next scale_loss",
+            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => "before scale_loss",
+            _ => return Ok(()),
+        };
+        Err(AmpError::CallOrder {
+            call: "clip_grad_norm()",
+            when,
+            remedy: "clip after scale_loss returns, before step()",
+        })
+    }
+
+    /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is
+    /// at most `max_norm`, and returns the total norm before clipping (PyTorch's
+    /// `clip_grad_norm_`, which Apex users call on `amp.master_params(optimizer)`).
+    /// Computed in fp32 even for fp16 gradients; parameters without a gradient are ignored (0
+    /// when none has one); a non-finite norm is returned and the gradients are left unscaled.
+    /// One host sync (reading the norm).
+    ///
+    /// # Errors
+    /// [`AmpError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that
+    /// is not positive.
+    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
+        crate::optim::check_clip_args(max_norm, norm_type)?;
+        self.check_clip_stage()?;
+        self.make_master_grads()?;
+        let grads: Vec<Tensor> =
+            self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
+        if grads.is_empty() {
+            return Ok(0.0);
+        }
+        let total = total_norm(&grads, norm_type)?;
+        let _no_grad = tch::no_grad_guard();
+        let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0).ctx("clip coefficient")?;
+        let coef = coef.f_where_self(&total.f_isfinite().ctx("clip")?, &coef.ones_like()).ctx("clip")?;
+        for g in &grads {
+            let coef = coef.f_to_kind(g.kind()).ctx("clip")?;
+            let mut g = g.shallow_clone();
+            let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
+        }
+        crate::counters::note_host_read();
+        total.f_double_value(&[]).ctx("reading the gradient norm")
+    }
+
+    /// Whether some fp16/bf16 parameter has no fp32 master (O3): the optimizer steps it in its
+    /// own dtype unless `fp32_optimizer_state` is on.
+    pub(crate) fn has_low_precision_params_without_masters(&self) -> bool {
+        self.entries.iter().any(|e| e.master().is_none() && crate::dtype::is_low_precision(e.model().kind()))
+    }
+
+    /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
+    /// gradient.
+    /// `model_grads_expected`: fp16 model gradients beside their masters are legitimate (O2's
+    /// waiting for the slice-wise step, see [`HalfGrads`], or a caller's own).
+    fn check_gradients(&self, model_grads_expected: bool) -> Result<()> {
+        let stray: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|e| !model_grads_expected && e.master().is_some() && e.model().grad().defined())
+            .take(5)
+            .map(|e| e.name().to_string())
+            .collect();
+        if !stray.is_empty() {
+            return Err(AmpError::GradientsNotUnscaled { params: stray });
+        }
+        let has_grad = |e: &ParamEntry| {
+            e.update_target().grad().defined()
+                || (model_grads_expected && e.master().is_some() && e.model().grad().defined())
+        };
+        if !self.entries.iter().any(has_grad) {
+            return Err(AmpError::NoGradients);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! The scaling protocol's side of the optimizer: the hooks [`crate::Amp::scale_loss`] calls
+//! around backward (set aside, unscale, flag, mark a skip), and the gradient inspections of the
+//! overflow path.
+use tch::{Device, Kind, Tensor};
+
+use super::masters::HalfGrads;
+use super::{latest_grad, AmpOptimizer, Stage};
+use crate::error::{AmpError, Result, TorchContext};
+use crate::optim::grads::{clear_grad, non_finite_check_, set_grad, take_grad, unscale_};
+use crate::optim::params::ParamEntry;
+use crate::scaling::{NonFiniteGrad, OverflowReport};
+
+/// An overflow seen by a `scale_loss` pass: the next `step` skips and reports it.
+#[derive(Debug, Clone)]
+pub(super) struct PendingSkip {
+    pub(super) loss_id: usize,
+    pub(super) loss_scale: f64,
+    pub(super) report: OverflowReport,
+    pub(super) collapse: Option<CollapseInfo>,
+}
+
+/// A collapse of a loss scaler, reported by the next `step()` (see
+/// [`AmpError::ScaleCollapsed`] and [`AmpError::GradientsVanished`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct CollapseInfo {
+    /// Overflows at the floor (`ScaleCollapsed`) or zero gradients there (`GradientsVanished`).
+    pub(crate) overflow: bool,
+    pub(crate) loss_id: usize,
+    pub(crate) first_pass: u64,
+    pub(crate) passes: u64,
+    pub(crate) loss_scale: f64,
+    pub(crate) params: Vec<String>,
+}
+
+impl CollapseInfo {
+    pub(super) fn error(self) -> AmpError {
+        let last_pass = self.first_pass.saturating_add(self.passes.saturating_sub(1));
+        let (loss_id, first_pass, passes, loss_scale) = (self.loss_id, self.first_pass, self.passes, self.loss_scale);
+        if self.overflow {
+            AmpError::ScaleCollapsed { loss_id, first_pass, last_pass, passes, loss_scale, params: self.params }
+        } else {
+            AmpError::GradientsVanished { loss_id, first_pass, last_pass, passes, loss_scale }
+        }
+    }
+}
+
+impl AmpOptimizer {
+    /// The parameters whose gradients hold inf or NaN, in model order, with counts (one host
+    /// read). Run on the overflow path only.
+    pub(crate) fn non_finite_grads(&self) -> Result<Vec<NonFiniteGrad>> {
+        crate::counters::note_gradient_scan();
+        let _no_grad = tch::no_grad_guard();
+        let mut order: Vec<&ParamEntry> = self.entries.iter().collect();
+        order.sort_by_key(|e| e.order());
+        let mut names = Vec::new();
+        let mut counts = Vec::new();
+        for e in order {
+            // Scaled while still the model's fp16 one: the counts of inf and NaN are the same.
+            let g = latest_grad(e);
+            if !g.defined() {
+                continue;
+            }
+            counts.push(g.f_isinf().and_then(|t| t.f_sum(Kind::Int64)).ctx("counting inf gradients")?);
+            counts.push(g.f_isnan().and_then(|t| t.f_sum(Kind::Int64)).ctx("counting NaN gradients")?);
+            names.push(e.name());
+        }
+        if counts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let all = Tensor::f_stack(&counts, 0).and_then(|t| t.f_to_device(Device::Cpu)).ctx("counting")?;
+        let all = Vec::<i64>::try_from(&all).ctx("reading the counts")?;
+        Ok(names
+            .into_iter()
+            .zip(all.chunks(2))
+            .filter(|(_, c)| c[0] > 0 || c[1] > 0)
+            .map(|(name, c)| NonFiniteGrad { name: name.to_string(), inf: c[0] as u64, nan: c[1] as u64 })
+            .collect())
+    }
+
+    /// Whether every gradient is exactly zero (`None` when no parameter has one); one host
+    /// read. Run only with the scale at its floor.
+    pub(crate) fn grads_all_zero(&self) -> Result<Option<bool>> {
+        crate::counters::note_gradient_scan();
+        let _no_grad = tch::no_grad_guard();
+        let mut nonzero = Vec::new();
+        for e in &self.entries {
+            let g = latest_grad(e);
+            if g.defined() {
+                nonzero.push(g.f_ne(0.0).and_then(|t| t.f_any()).ctx("checking for zero gradients")?);
+            }
+        }
+        if nonzero.is_empty() {
+            return Ok(None);
+        }
+        let any = Tensor::f_stack(&nonzero, 0)
+            .and_then(|t| t.f_any())
+            .and_then(|t| t.f_int64_value(&[]))
+            .ctx("checking for zero gradients")?;
+        Ok(Some(any == 0))
+    }
+
+    /// The fp32 masters (of the fp16/bf16 parameters under master weights), shallow clones.
+    pub(crate) fn masters(&self) -> Vec<Tensor> {
+        self.entries.iter().filter_map(|e| e.master().map(Tensor::shallow_clone)).collect()
+    }
+
+    /// For each parameter, whether it has an fp32 master.
+    pub(crate) fn master_flags(&self) -> Vec<bool> {
+        self.entries.iter().map(|e| e.master().is_some()).collect()
+    }
+
+    /// The id of the [`crate::Amp`] that made this optimizer.
+    pub(crate) fn amp_id(&self) -> u64 {
+        self.setup.amp_id
+    }
+
+    /// The device of the parameters (of the first one; `None` for an empty optimizer).
+    pub(crate) fn device(&self) -> Option<Device> {
+        self.entries.first().map(|e| e.model().device())
+    }
+
+    /// `scale_loss` entry: set aside existing gradients so that the new, scaled ones can be
+    /// unscaled alone and added back (gradient accumulation across losses/iterations).
+    pub(crate) fn begin_backward(&mut self) -> Result<()> {
+        if matches!(*self.stage(), Stage::Scaled) {
+            return Ok(());
+        }
+        // A second pass before `step` (accumulation): the first pass's gradients become fp32
+        // master gradients now, and the new ones are added to them at exit.
+        self.make_master_grads()?;
+        for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
+            match e.master() {
+                // Master grads keep accumulating; the fp16 grads must start empty.
+                Some(_) => clear_grad(e.model())?,
+                None => *stash = take_grad(e.model())?,
+            }
+        }
+        Ok(())
+    }
+
+    /// `scale_loss` exit after a `delay_unscale` pass: the gradients stay scaled.
+    pub(crate) fn keep_scaled(&mut self) {
+        self.enter(Stage::Scaled);
+    }
+
+    /// A `scale_loss` pass that handed the loss straight to backward (disabled AMP, or a
+    /// static scale of 1 without masters): the gradients are as backward left them.
+    pub(crate) fn note_pass_through(&mut self) {
+        self.enter(Stage::Unscaled { half: None });
+    }
+
+    /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
+    /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
+    pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+        // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
+        // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
+        let slice_wise = self.inner.updates_in_slices()
+            && self.entries.iter().any(|e| e.master().is_some())
+            && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
+            && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
+                let g = e.model().grad();
+                !g.defined()
+                    || (g.is_contiguous() && e.model().is_contiguous() && e.master().is_some_and(Tensor::is_contiguous))
+            });
+        let mut half: Vec<Tensor> = Vec::new();
+        let mut half_grads = None;
+        // Gather the new (scaled) gradients: fp16 model grads become fresh fp32 tensors.
+        let mut fresh: Vec<Tensor> = Vec::new();
+        let mut targets: Vec<(usize, Tensor)> = Vec::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            match e.master() {
+                Some(_) if slice_wise => {
+                    let g = e.model().grad();
+                    if g.defined() {
+                        half.push(g);
+                    }
+                }
+                Some(_) => {
+                    if let Some(g) = take_grad(e.model())? {
+                        let g32 = g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?;
+                        fresh.push(g32.shallow_clone());
+                        targets.push((i, g32));
+                    }
+                }
+                None => {
+                    let g = e.model().grad();
+                    if g.defined() {
+                        fresh.push(g.shallow_clone());
+                        targets.push((i, g));
+                    }
+                }
+            }
+        }
+        unscale_(&fresh, found_inf, inv_scale)?;
+        if slice_wise {
+            // Only checked (read, not written): `step` unscales them.
+            non_finite_check_(&half, found_inf)?;
+            half_grads = Some(HalfGrads::new(inv_scale.shallow_clone(), &self.entries)?);
+        }
+        let _no_grad = tch::no_grad_guard();
+        for (i, new_grad) in targets {
+            match self.entries[i].master() {
+                Some(master) => {
+                    let existing = master.grad();
+                    if existing.defined() {
+                        let mut ex = existing;
+                        let _ = ex.f_add_(&new_grad).ctx("accumulating a master gradient")?;
+                    } else {
+                        set_grad(master, &new_grad)?;
+                    }
+                }
+                None => {
+                    if let Some(stashed) = self.stash[i].take() {
+                        let mut g = new_grad;
+                        let _ = g.f_add_(&stashed).ctx("adding back a stashed gradient")?;
+                    }
+                }
+            }
+        }
+        // Stashed grads of parameters that got no new gradient go back unchanged.
+        for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
+            if let Some(s) = stash.take() {
+                set_grad(e.model(), &s)?;
+            }
+        }
+        self.enter(Stage::Unscaled { half: half_grads });
+        Ok(())
+    }
+
+    pub(crate) fn mark_skip(
+        &mut self,
+        loss_id: usize,
+        loss_scale: f64,
+        report: OverflowReport,
+        collapse: Option<CollapseInfo>,
+    ) {
+        *self.stage() = Stage::Overflowed(PendingSkip { loss_id, loss_scale, report, collapse });
+    }
+
+    pub(crate) fn mark_vanished(&mut self, collapse: CollapseInfo) {
+        let mut stage = self.stage();
+        if !matches!(*stage, Stage::Overflowed(_)) {
+            *stage = Stage::Vanished(collapse);
+        }
+    }
+}
