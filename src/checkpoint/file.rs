@@ -290,6 +290,12 @@ fn read_record(
 /// metadata (every field required), every tensor's presence, dtype and shape, finite values in
 /// weights and optimizer state, the optimizer kinds and the AMP state.
 ///
+/// Which values come from the file, as with torch's `optimizer.load_state_dict`: every
+/// parameter group's learning rate, hyper-parameters (weight decay, betas, momentum, ...) and
+/// step count, the optimizer's default learning rate and its step/skip counts. The optimizers
+/// must run the same update rule with the same default hyper-parameters as the saved ones (a
+/// typed error otherwise); a group built with other values than the file's takes the file's.
+///
 /// # Errors
 /// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign or
 /// damaged file, another opt level, a missing or extra variable, a shape, dtype or optimizer
@@ -305,7 +311,11 @@ pub fn load_checkpoint(
     let (bytes, meta) = open(path)?;
     let level = amp.properties().opt_level();
     if meta.opt_level != level {
-        return Err(mismatch(format!("the checkpoint was written under {}, this Amp is {level}", meta.opt_level)));
+        return Err(mismatch(format!(
+            "the checkpoint was written under {}, this Amp is {level}: load_model_weights and load_optimizer_state \
+             load its parts into another opt level",
+            meta.opt_level
+        )));
     }
     let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
     // Phase 1: check and stage everything.

@@ -83,7 +83,8 @@ impl DistributedSampler {
     /// Indices per rank (torch's `num_samples`).
     pub fn num_samples(&self) -> usize {
         if self.drop_last && self.len % self.num_replicas != 0 {
-            (self.len - self.num_replicas).div_ceil(self.num_replicas)
+            // torch: ceil((len - replicas) / replicas), 0 when there are fewer items than ranks.
+            self.len.saturating_sub(self.num_replicas).div_ceil(self.num_replicas)
         } else {
             self.len.div_ceil(self.num_replicas)
         }

@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use tch::nn::VarStore;
+use tch::Tensor;
 
 use super::params::{trainable, under_prefix, ParamEntry};
 use super::rule::HyperParams;
@@ -20,6 +21,8 @@ pub(crate) enum Selector {
     Names(Vec<String>),
     /// Those whose name satisfies the predicate.
     Matching(Arc<dyn Fn(&str) -> bool + Send + Sync>),
+    /// Those whose name and variable satisfy the predicate.
+    MatchingVar(Arc<dyn Fn(&str, &Tensor) -> bool + Send + Sync>),
     /// Every variable no other group of the same call (or of the optimizer, for
     /// `add_param_group`) takes.
     Rest,
@@ -31,14 +34,16 @@ impl fmt::Debug for Selector {
             Selector::Prefixes(p) => f.debug_tuple("Prefixes").field(p).finish(),
             Selector::Names(n) => f.debug_tuple("Names").field(n).finish(),
             Selector::Matching(_) => f.write_str("Matching(..)"),
+            Selector::MatchingVar(_) => f.write_str("MatchingVar(..)"),
             Selector::Rest => f.write_str("Rest"),
         }
     }
 }
 
 impl Selector {
-    /// Whether `name` is selected (`Rest` answers false: it is resolved by the caller).
-    pub(crate) fn selects(&self, name: &str) -> bool {
+    /// Whether variable `name` (`var`) is selected (`Rest` answers false: it is resolved by the
+    /// caller).
+    pub(crate) fn selects(&self, name: &str, var: &Tensor) -> bool {
         match self {
             Selector::Prefixes(p) => {
                 let p: Vec<&str> = p.iter().map(String::as_str).collect();
@@ -46,6 +51,7 @@ impl Selector {
             }
             Selector::Names(n) => n.iter().any(|x| x == name),
             Selector::Matching(f) => f(name),
+            Selector::MatchingVar(f) => f(name, var),
             Selector::Rest => false,
         }
     }
@@ -108,6 +114,12 @@ impl ParamGroup {
     /// The variables whose name satisfies `predicate`.
     pub fn matching(predicate: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         Self::new(Selector::Matching(Arc::new(predicate)))
+    }
+
+    /// The variables for which `predicate(name, variable)` holds: timm's no-weight-decay rule
+    /// is `ParamGroup::matching_var(|name, v| v.dim() <= 1 || name.ends_with(".bias"))`.
+    pub fn matching_var(predicate: impl Fn(&str, &Tensor) -> bool + Send + Sync + 'static) -> Self {
+        Self::new(Selector::MatchingVar(Arc::new(predicate)))
     }
 
     /// Every trainable variable that no other group takes (no other group of the same call;
@@ -219,7 +231,7 @@ pub(crate) fn resolve(
             _ => {}
         }
         for (ci, c) in candidates.iter().enumerate() {
-            if !g.selector.selects(&c.name) {
+            if !g.selector.selects(&c.name, &c.var) {
                 continue;
             }
             if taken.contains(&c.name.as_str()) || owner[ci].is_some() {

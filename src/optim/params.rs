@@ -65,7 +65,7 @@ fn trainable_groups(vs: &VarStore) -> Result<Vec<(Tensor, usize)>> {
 #[derive(Debug)]
 pub(crate) struct Candidate {
     pub(crate) name: String,
-    var: Tensor,
+    pub(crate) var: Tensor,
     group: usize,
     order: usize,
 }

@@ -273,6 +273,7 @@ fn checkpoints_into_other_setups_are_refused() {
     let mut o1 = run(AmpConfig::new(OptLevel::O1), nn::Adam::default());
     good_step(&mut o1, 0);
     expect_refused(&path, &mut o1, "written under O2, this Amp is O1");
+    expect_refused(&path, &mut o1, "load_model_weights and load_optimizer_state load its parts");
     // The same setup loads it.
     let mut same_setup = run(AmpConfig::new(OptLevel::O2), nn::Adam::default());
     tch_amp::load_checkpoint(&path, &same_setup.vs, &mut [&mut same_setup.opt], &mut same_setup.amp).unwrap();

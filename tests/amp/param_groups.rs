@@ -348,3 +348,26 @@ fn add_param_group_errors_change_nothing() {
     assert_eq!(vs.variables()["b"].kind(), Kind::Half);
     assert_eq!(opt.master_params()[1].kind(), Kind::Float);
 }
+
+/// timm's no-weight-decay rule selects by shape (`param.ndim <= 1`, biases and norm
+/// parameters), which a name predicate cannot see: `ParamGroup::matching_var` gets the variable
+/// too. Under O2 the selection looks at the model's (fp16) variable; the group holds its master.
+#[test]
+fn groups_select_by_name_and_variable() {
+    for level in [tch_amp::OptLevel::O0, tch_amp::OptLevel::O2] {
+        let vs = VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let _ = nn::linear(&root / "fc1", 4, 3, Default::default());
+        let _ = nn::batch_norm1d(&root / "bn", 3, Default::default());
+        let _ = nn::linear(&root / "fc2", 3, 2, Default::default());
+        let amp = tch_amp::Amp::new(&tch_amp::AmpConfig::new(level).verbosity(0)).unwrap();
+        let groups =
+            [ParamGroup::matching_var(|_, v| v.dim() > 1).weight_decay(0.05), ParamGroup::rest().weight_decay(0.0)];
+        let opt = amp.optimizer_groups(&vs, nn::AdamW::default(), 1e-3, &groups).unwrap();
+        let ids = opt.param_groups();
+        assert_eq!(opt.group_param_names(ids[0]), ["fc1.weight", "fc2.weight"], "{level}");
+        assert_eq!(opt.group_param_names(ids[1]), ["bn.bias", "bn.weight", "fc1.bias", "fc2.bias"], "{level}");
+        assert_eq!(opt.hyper_parameters_group(ids[0]).unwrap().get("weight_decay").unwrap(), 0.05);
+        assert_eq!(opt.hyper_parameters_group(ids[1]).unwrap().get("weight_decay").unwrap(), 0.0);
+    }
+}

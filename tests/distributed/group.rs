@@ -124,6 +124,12 @@ fn sampler_matches_torch_distributed_sampler() {
     assert_eq!(idx(10, 2, false, 0, true, 0), vec![2, 5, 8]);
     // Padding longer than the data set (2 items, 3 replicas... 2 -> 3).
     assert_eq!(idx(2, 2, false, 0, false, 0), vec![0]);
+    // drop_last with fewer items than replicas: torch's num_samples is ceil(-1/3) = 0.
+    for rank in 0..3 {
+        assert_eq!(idx(2, rank, false, 0, true, 0), Vec::<i64>::new());
+        assert_eq!(idx(2, rank, true, 0, true, 0), Vec::<i64>::new());
+    }
+    assert_eq!(DistributedSampler::new(2, 3, 0).unwrap().drop_last(true).num_samples(), 0);
     for &(len, rank, seed, drop_last, epoch, want) in SHUFFLED {
         assert_eq!(
             idx(len, rank, true, seed, drop_last, epoch),
