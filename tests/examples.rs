@@ -706,3 +706,44 @@ fn imagenet_fused_sgd_trains_as_sgd() {
         assert_eq!(a["loss"], b["loss"], "fused-sgd diverged from sgd:\n{a}\n{b}");
     }
 }
+
+/// `log_diff` finds the first step and field where two logs diverge, with the difference;
+/// agreeing logs exit 0, diverging ones 1, unreadable ones 2.
+#[test]
+fn log_diff_names_the_first_divergence() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, lines: &[&str]| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+        p.to_string_lossy().to_string()
+    };
+    let a = write(
+        "a.jsonl",
+        &[
+            r#"{"step":0,"loss":2.5,"loss_scale":65536.0,"skipped":false}"#,
+            r#"{"step":1,"loss":2.25,"loss_scale":65536.0,"skipped":false}"#,
+            r#"{"step":2,"loss":2.0,"loss_scale":65536.0,"skipped":false}"#,
+        ],
+    );
+    let b = write(
+        "b.jsonl",
+        &[
+            r#"{"step":0,"loss":2.5,"loss_scale":65536.0,"skipped":false}"#,
+            r#"{"step":1,"loss":2.25,"loss_scale":32768.0,"skipped":true}"#,
+            r#"{"step":2,"loss":2.0,"loss_scale":32768.0,"skipped":false}"#,
+        ],
+    );
+    let out = run_ok("log_diff", &[&a, &a]);
+    assert!(out.contains("agree on all 3 steps"), "{out}");
+    let out = run("log_diff", &[&a, &b]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("first divergence at step 1, field loss_scale: 65536.0 vs 32768.0"), "{text}");
+    assert!(text.contains("difference 3.2768e4"), "{text}");
+    let out = run("log_diff", &[&a, &b, "--fields", "loss"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let bad = write("bad.jsonl", &["not json"]);
+    let out = run("log_diff", &[&a, &bad]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.jsonl:1: not JSON"));
+}
