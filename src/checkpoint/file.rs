@@ -28,7 +28,26 @@ struct Metadata {
     opt_level: OptLevel,
     amp: AmpState,
     optimizers: Vec<OptimizerMeta>,
+    /// The caller's value of [`TrainingState`] (absent when null).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    extra: serde_json::Value,
 }
+
+/// The rest of a training state, saved in the same file and the same atomic write as the
+/// model, the optimizers and the loss scalers ([`save_checkpoint_with`]), so that a crash can
+/// never leave an epoch or an EMA from another step than the weights: named tensors (an EMA's
+/// weights, a sampler's state) and one JSON value (epoch, arguments, best metric). Read back
+/// with [`read_training_state`].
+#[derive(Debug, Default)]
+pub struct TrainingState {
+    /// Named tensors, stored as `extra/<name>` (any dtype the checkpoint format takes).
+    pub tensors: BTreeMap<String, Tensor>,
+    /// Any JSON value (`serde_json::json!({"epoch": 3, "best_acc": 0.91})`); null saves none.
+    pub value: serde_json::Value,
+}
+
+/// Tensors of a [`TrainingState`] are stored under this prefix.
+const EXTRA_PREFIX: &str = "extra/";
 
 /// The non-tensor part of an [`OptimizerRecord`]. Format 4 has `groups` and no `group_lr`;
 /// format 3 the reverse.
@@ -180,9 +199,28 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
 /// [`AmpError::Save`] when the file cannot be written (any previous file at `path` is left
 /// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
 pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&AmpOptimizer], amp: &Amp) -> Result<()> {
+    save_checkpoint_with(path, vs, optimizers, amp, &TrainingState::default())
+}
+
+/// [`save_checkpoint`] with the rest of a training state (`extra`) in the same file and the
+/// same atomic write; [`read_training_state`] reads it back, and [`load_checkpoint`] ignores
+/// it.
+///
+/// # Errors
+/// As [`save_checkpoint`].
+pub fn save_checkpoint_with(
+    path: impl AsRef<Path>,
+    vs: &VarStore,
+    optimizers: &[&AmpOptimizer],
+    amp: &Amp,
+    extra: &TrainingState,
+) -> Result<()> {
     let path = path.as_ref();
     let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
-    let (tensors, optimizers) = collect(vs, &records)?;
+    let (mut tensors, optimizers) = collect(vs, &records)?;
+    for (name, t) in &extra.tensors {
+        tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
+    }
     let save_err =
         |message: String| AmpError::Save { path: path.to_path_buf(), source: std::io::Error::other(message) };
     let views: Vec<(String, TensorView<'_>)> = tensors
@@ -198,6 +236,7 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
         opt_level: amp.properties().opt_level(),
         amp: amp.state_dict(),
         optimizers,
+        extra: extra.value.clone(),
     };
     let json = serde_json::to_string(&meta).map_err(|e| save_err(format!("metadata: {e}")))?;
     let header = std::collections::HashMap::from([(METADATA_KEY.to_string(), json)]);
@@ -359,7 +398,8 @@ pub fn load_checkpoint(
             other => other,
         })?);
     }
-    if let Some(extra) = st.names().into_iter().find(|n| !consumed.contains(n.as_str())) {
+    if let Some(extra) = st.names().into_iter().find(|n| !consumed.contains(n.as_str()) && !n.starts_with(EXTRA_PREFIX))
+    {
         return Err(mismatch(format!(
             "{}: tensor {extra:?} belongs to nothing being restored (a renamed or foreign tensor)",
             path.display()
@@ -376,6 +416,27 @@ pub fn load_checkpoint(
     }
     amp.apply_checked_state(amp_state);
     Ok(())
+}
+
+/// The [`TrainingState`] a [`save_checkpoint_with`] wrote into `path` (empty for a checkpoint
+/// written without one). The file's format is checked; the model and optimizer parts are not
+/// read.
+///
+/// # Errors
+/// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign or
+/// damaged file.
+pub fn read_training_state(path: impl AsRef<Path>) -> Result<TrainingState> {
+    let path = path.as_ref();
+    let (bytes, meta) = open(path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
+    let mut tensors = BTreeMap::new();
+    for name in st.names() {
+        if let Some(short) = name.strip_prefix(EXTRA_PREFIX) {
+            let view = st.tensor(name).map_err(|e| mismatch(format!("{name}: {e:?}")))?;
+            tensors.insert(short.to_string(), view_to_tensor(name, &view)?);
+        }
+    }
+    Ok(TrainingState { tensors, value: meta.extra })
 }
 
 /// Reads `path` and its metadata (format checked).

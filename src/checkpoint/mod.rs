@@ -11,7 +11,11 @@
 //! [`crate::save_checkpoint`] and [`crate::load_checkpoint`] save and resume everything; the
 //! partial loads [`load_model_weights`] and [`load_optimizer_state`] take one part (torch's
 //! `model.load_state_dict` / `optimizer.load_state_dict`) and report what they left out
-//! ([`LoadReport`]).
+//! ([`LoadReport`]). [`save_checkpoint_with`] adds the rest of a training state (epoch,
+//! arguments, an EMA's weights: [`TrainingState`]) to the same atomic write;
+//! [`read_training_state`] reads it back.
 pub(crate) mod file;
 
-pub use file::{load_model_weights, load_optimizer_state, LoadReport};
+pub use file::{
+    load_model_weights, load_optimizer_state, read_training_state, save_checkpoint_with, LoadReport, TrainingState,
+};

@@ -266,3 +266,39 @@ fn failed_load_changes_nothing() {
     let err = save_checkpoint(&target, &b.vs, &[&b.opt], &b.amp).unwrap_err();
     assert!(matches!(&err, AmpError::Save { path, .. } if *path == target), "{err}");
 }
+
+/// The rest of a training state (epoch, arguments, best metric, an EMA's weights) goes into the
+/// same file and the same atomic write as the model and the optimizers: it reads back exactly,
+/// load_checkpoint ignores it and resumes as before, and a checkpoint without one reads back
+/// empty.
+#[test]
+fn training_state_rides_in_the_checkpoint() {
+    use tch_amp::checkpoint::{read_training_state, save_checkpoint_with, TrainingState};
+    let mut r = setup(OptLevel::O2, 1, 3, nn::Adam::default().into());
+    let x = Tensor::randn([2, 3, 4, 4], (Kind::Float, Device::Cpu));
+    train_step(&mut r, &x, 0..1);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt.safetensors");
+    let ema = Tensor::arange(6, (Kind::Float, Device::Cpu)) * 0.25;
+    let counts = Tensor::from_slice(&[7i64, -2]);
+    let value = serde_json::json!({"epoch": 3, "best_acc": 0.9125, "args": {"lr": 1e-3, "arch": "resnet"}});
+    let extra = TrainingState {
+        tensors: [("ema.conv1.weight".to_string(), ema.copy()), ("sampler".to_string(), counts.copy())].into(),
+        value: value.clone(),
+    };
+    save_checkpoint_with(&path, &r.vs, &[&r.opt], &r.amp, &extra).unwrap();
+    let back = read_training_state(&path).unwrap();
+    assert_eq!(back.value, value);
+    assert_eq!(back.tensors.keys().collect::<Vec<_>>(), ["ema.conv1.weight", "sampler"]);
+    assert!(back.tensors["ema.conv1.weight"].equal(&ema));
+    assert!(back.tensors["sampler"].equal(&counts));
+    // The same file resumes as a plain checkpoint does.
+    let before = snapshot(&r);
+    let mut s = setup(OptLevel::O2, 1, 4, nn::Adam::default().into());
+    load_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp).unwrap();
+    assert_identical(&before, &snapshot(&s), "resumed from a checkpoint with a training state");
+    // Without one: empty.
+    save_checkpoint(&path, &r.vs, &[&r.opt], &r.amp).unwrap();
+    let none = read_training_state(&path).unwrap();
+    assert!(none.tensors.is_empty() && none.value.is_null());
+}
