@@ -85,6 +85,7 @@
 //!   checkpoints ([`torch_checkpoint::TorchLoadOptions`], torch.optim's state dict as an
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
+//! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
 //! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
 //!   [`distributed`] have their own error types, which wrap [`AmpError`] where they need to.
 //!
@@ -113,6 +114,7 @@ mod counters;
 pub mod diagnostics;
 pub mod distributed;
 mod dtype;
+pub mod ema;
 mod error;
 pub mod fp16_utils;
 pub mod model;

@@ -9,6 +9,7 @@ mod bert_lamb;
 mod checkpointing;
 mod clip;
 mod crash;
+mod ema;
 mod foundation;
 mod fp16_utils;
 mod fuzz;
