@@ -41,8 +41,8 @@ pub enum DistError {
     },
     /// The rendezvous (TCPStore, then the backend's connections) did not complete.
     #[error(
-        "rendezvous of rank {rank} (world size {world_size}) at {addr}:{port} failed within {timeout:?}: \
-         {message}; start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, each with its own \
+        "rendezvous of rank {rank} (world size {world_size}) at {addr}:{port} failed after {elapsed:?} (timeout \
+         {timeout:?} per stage): {message}; start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, each with its own \
          RANK, and make sure the port is free on rank 0"
     )]
     Rendezvous {
@@ -54,8 +54,13 @@ pub enum DistError {
         rank: usize,
         /// The group size expected.
         world_size: usize,
-        /// The timeout in force.
+        /// The timeout in force. It bounds each stage of the rendezvous (the store's wait for
+        /// every rank, then each of the backend's connection attempts), so a rendezvous that
+        /// cannot complete (a WORLD_SIZE that differs between ranks, say) fails after a few
+        /// times the timeout, as torch's does.
         timeout: Duration,
+        /// How long it ran before failing.
+        elapsed: Duration,
         /// libtorch's message.
         message: String,
     },

@@ -215,6 +215,7 @@ impl ProcessGroup {
     /// port is taken).
     pub fn init(options: &InitOptions) -> Result<Self> {
         options.check()?;
+        let started = std::time::Instant::now();
         let is_server = options.host_store.unwrap_or(options.rank == 0);
         let handle = sys::init(
             &options.master_addr,
@@ -233,6 +234,7 @@ impl ProcessGroup {
                 rank: options.rank,
                 world_size: options.world_size,
                 timeout: options.timeout,
+                elapsed: started.elapsed(),
                 message,
             },
         })?;
