@@ -40,15 +40,14 @@
 // give, so the two must agree; the stand-ins only ever sit behind pointers, so they do for
 // every libtorch listed here.
 #if TORCH_VERSION_MAJOR == 2 && (TORCH_VERSION_MINOR == 11 || TORCH_VERSION_MINOR == 13)
-#define TCH_AMP_GLOO_PG_SIZE 0x1e8
+static_assert(sizeof(c10d::ProcessGroupGloo) == 0x1e8,
+              "c10d::ProcessGroupGloo as declared by these headers and src/shim/gloo_stub/ differs in "
+              "size from the one libtorch allocates (0x1e8 bytes in torch 2.11 and 2.13, see "
+              "scripts/gloo-layout.sh): update the stand-ins or the table in src/shim/distributed.cpp");
 #else
 #error "tch-amp's distributed shim knows the size of c10d::ProcessGroupGloo for torch 2.11 and 2.13 only: \
 run scripts/gloo-layout.sh on this libtorch and add its size to the table in src/shim/distributed.cpp"
 #endif
-static_assert(sizeof(c10d::ProcessGroupGloo) == TCH_AMP_GLOO_PG_SIZE,
-              "c10d::ProcessGroupGloo as declared by these headers and src/shim/gloo_stub/ differs in "
-              "size from the libtorch this version of torch ships (see scripts/gloo-layout.sh): "
-              "update the stand-ins or the table in src/shim/distributed.cpp");
 
 namespace {
 
