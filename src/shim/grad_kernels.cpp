@@ -130,7 +130,8 @@ extern "C" {
 // found_inf (a 1-element fp32 tensor) becomes 1 when any element of any of `grads` is inf or
 // NaN; the gradients are only read. Contiguous CPU tensors are scanned by their bits (one read,
 // no allocation, no host sync beyond the CPU itself); any other goes through libtorch's
-// `_amp_foreach_non_finite_check_and_unscale_` with a scale of exactly 1.
+// `_amp_foreach_non_finite_check_and_unscale_` with a scale of exactly 1 (bf16 on CUDA through
+// an fp32 copy).
 char* tch_amp_non_finite_check_(at::Tensor** grads, int n, at::Tensor* found_inf) {
   TCH_AMP_PROTECT({
     std::vector<at::Tensor> other;
@@ -149,7 +150,7 @@ char* tch_amp_non_finite_check_(at::Tensor** grads, int n, at::Tensor* found_inf
       found_inf->fill_(1.0);  // nothing else can change the flag
     } else if (!other.empty()) {
       at::Tensor one = at::ones({1}, found_inf->options());
-      at::_amp_foreach_non_finite_check_and_unscale_(other, *found_inf, one);
+      tch_amp::non_finite_check_and_unscale(other, *found_inf, one, true);
     }
   })
 }
