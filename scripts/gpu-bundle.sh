@@ -17,7 +17,8 @@
 # 2. A scratch copy of this checkout (tracked and untracked-not-ignored files) in
 #    $TCH_AMP_CACHE/gpu-bundle/src, where tch and torch-sys become =0.24.0 (the tch release for
 #    libtorch 2.11; the repo uses 0.26 for 2.13) and build.rs's TORCH_VERSION becomes 2.11.0.
-#    No other source change is needed. Files are only rewritten when their content changed, and
+#    benches/amp.rs starts the bundle's scripts/bench_torch.py (run.sh runs the bench from the
+#    bundle's folder). No other source change is needed. Files are only rewritten when their content changed, and
 #    the target folder ($TCH_AMP_CACHE/gpu-bundle/target) persists, so a re-run rebuilds only
 #    what changed (cold: ~6 min on 2 cores).
 # 3. Release builds of tests/cuda/ (amp and O1 on CUDA), tests/linking.rs and
@@ -98,6 +99,9 @@ sub Cargo.toml 'tch = "=0.26.0"' "tch = \"=$TCH_VERSION\""
 sub Cargo.toml 'torch-sys = "=0.26.0"' "torch-sys = \"=$TCH_VERSION\""
 sub build.rs 'const TORCH_VERSION: &str = "2.13.0";' "const TORCH_VERSION: &str = \"$TORCH_VERSION\";"
 sub build.rs 'tch 0.26.0 needs' "tch $TCH_VERSION needs"
+# The bench starts scripts/bench_torch.py from the source folder it was built in; in the bundle
+# that is the bundle's own copy, relative to the folder run.sh runs the bench from.
+sub benches/amp.rs 'concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_torch.py")' '"scripts/bench_torch.py"'
 # Copy what changed (content), drop what is gone; keep the scratch's own Cargo.lock (cargo
 # re-resolves tch/torch-sys for 0.24 on the first build and keeps that).
 (cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
