@@ -2,7 +2,7 @@
 # Each does the setup it needs; setup is idempotent and fast once done.
 CARGO ?= cargo
 
-.PHONY: demo test setup data doc lint bench clean
+.PHONY: demo test setup data doc lint check-shim bench clean
 
 setup:
 	@bash scripts/setup-libtorch.sh
@@ -25,6 +25,10 @@ lint: setup
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --all-targets --features cuda-tests -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
+
+# The distributed shim against the other supported torch's headers (scripts/check-shim-headers.sh).
+check-shim:
+	@bash scripts/check-shim-headers.sh 2.11.0
 
 bench: setup
 	$(CARGO) bench --bench amp

@@ -10,15 +10,21 @@
 # 1. A venv with PyPI's torch==2.11.0 in $TCH_AMP_CACHE/venv-torch-2.11.0 (default
 #    ~/.cache/tch-amp; one time, ~4.3 GB, beside setup-libtorch.sh's 2.13 venv). That wheel is
 #    2.11.0+cu130, the build the GPU machine has (PyTorch 2.11.0+cu130 in /opt/torch/.venv);
-#    the script stops unless torch.version.cuda is 13.0.
+#    the script stops unless torch.version.cuda is 13.0. For the `nccl` feature it adds
+#    nvidia-cuda-crt and nvidia-cuda-cccl 13.0.* (headers ProcessGroupNCCL.hpp needs; the
+#    wheel's nvidia-* packages have the CUDA runtime and NCCL ones). GPU_BUNDLE_NCCL=0 builds
+#    without NCCL.
 # 2. A scratch copy of this checkout (tracked and untracked-not-ignored files) in
 #    $TCH_AMP_CACHE/gpu-bundle/src, where tch and torch-sys become =0.24.0 (the tch release for
 #    libtorch 2.11; the repo uses 0.26 for 2.13) and build.rs's TORCH_VERSION becomes 2.11.0.
-#    No other source change is needed. Files are only rewritten when their content changed, and
+#    benches/amp.rs starts the bundle's scripts/bench_torch.py (run.sh runs the bench from the
+#    bundle's folder). No other source change is needed. Files are only rewritten when their content changed, and
 #    the target folder ($TCH_AMP_CACHE/gpu-bundle/target) persists, so a re-run rebuilds only
 #    what changed (cold: ~6 min on 2 cores).
-# 3. Release builds of tests/cuda/ (amp and O1 on CUDA) and tests/linking.rs with
-#    `--features cuda-tests`, of the fashion_mnist example and of the amp bench; stripped.
+# 3. Release builds of tests/cuda/ (amp and O1 on CUDA), tests/linking.rs and
+#    tests/distributed/ (run.sh runs its cuda:: tests: Gloo on CUDA tensors and SyncBatchNorm
+#    on two processes, an NCCL group of one) with `--features cuda-tests,nccl`, of the
+#    fashion_mnist example and of the amp bench; stripped.
 # 4. OUT_DIR/{bin/, data/ (the four Fashion-MNIST gzip files from
 #    /usr/share/datasets/fashion-mnist, `make data`), run.sh (scripts/gpu-run.sh),
 #    scripts/bench_torch.py, MANIFEST.txt}; the script fails if it exceeds 60 MiB (the device
@@ -30,7 +36,8 @@
 #   run(command="bash .gpu-bundle/run.sh --device cuda", carry=[".gpu-bundle"], timeout_s=600)
 # run.sh sets LD_LIBRARY_PATH to the GPU machine's torch/lib and every nvidia/*/lib folder
 # beside it, runs every bundled test binary, the main job with --device and the benchmark, and
-# writes run.log, summary.txt and the main job's record.json and curves.png under $OUT.
+# writes run.log, summary.txt and the main job's record.json and curves.png under $OUT
+# (gpu-run.sh's header has its options).
 #
 # Here, without a GPU: TORCH_DIR=<this script's 2.11 venv>/.../torch bash .gpu-bundle/run.sh
 # --device cpu runs the same binaries against libtorch 2.11 on the CPU (the cuda-tests fail
@@ -66,6 +73,12 @@ cuda=$("$venv/bin/python" -c 'import torch; print(torch.version.cuda)' 2>/dev/nu
 [ "$cuda" = "$TORCH_CUDA" ] || die "torch==$TORCH_VERSION in $venv is built for CUDA '$cuda', the GPU machine's for $TORCH_CUDA"
 torch_dir=$(ls -d "$venv"/lib/python3*/site-packages/torch | head -n 1)
 [ -f "$torch_dir/lib/libtorch_cuda.so" ] || die "$torch_dir/lib has no libtorch_cuda.so"
+nccl=${GPU_BUNDLE_NCCL:-1}
+nv=$(dirname "$torch_dir")/nvidia/cu13/include
+if [ "$nccl" = 1 ] && { [ ! -f "$nv/crt/host_config.h" ] || [ ! -d "$nv/cccl/cuda/std" ]; }; then
+  say "installing nvidia-cuda-crt and nvidia-cuda-cccl $TORCH_CUDA.* into $venv (headers for the nccl feature)"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "nvidia-cuda-crt==$TORCH_CUDA.*" "nvidia-cuda-cccl==$TORCH_CUDA.*"
+fi
 flock -u 9
 
 # 2. Scratch copy with tch 0.24.
@@ -86,6 +99,9 @@ sub Cargo.toml 'tch = "=0.26.0"' "tch = \"=$TCH_VERSION\""
 sub Cargo.toml 'torch-sys = "=0.26.0"' "torch-sys = \"=$TCH_VERSION\""
 sub build.rs 'const TORCH_VERSION: &str = "2.13.0";' "const TORCH_VERSION: &str = \"$TORCH_VERSION\";"
 sub build.rs 'tch 0.26.0 needs' "tch $TCH_VERSION needs"
+# The bench starts scripts/bench_torch.py from the source folder it was built in; in the bundle
+# that is the bundle's own copy, relative to the folder run.sh runs the bench from.
+sub benches/amp.rs 'concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_torch.py")' '"scripts/bench_torch.py"'
 # Copy what changed (content), drop what is gone; keep the scratch's own Cargo.lock (cargo
 # re-resolves tch/torch-sys for 0.24 on the first build and keeps that).
 (cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
@@ -101,8 +117,10 @@ rm -rf "$stage"
 say "building in $src against $torch_dir (tch $TCH_VERSION)"
 start=$(date +%s)
 json=$work/artifacts.json
-(cd "$src" && LIBTORCH="$torch_dir" CARGO_TARGET_DIR="$work/target" cargo build --release --features cuda-tests \
-  --test cuda --test linking --example fashion_mnist --bench amp \
+features=cuda-tests
+[ "$nccl" = 1 ] && features=cuda-tests,nccl
+(cd "$src" && LIBTORCH="$torch_dir" CARGO_TARGET_DIR="$work/target" cargo build --release --features "$features" \
+  --test cuda --test linking --test distributed --example fashion_mnist --bench amp \
   --message-format=json-render-diagnostics) > "$json"
 say "built in $(( $(date +%s) - start )) s"
 exe() { # kind name -> path of the executable cargo reported
@@ -114,7 +132,7 @@ exe() { # kind name -> path of the executable cargo reported
 # 4. The bundle.
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/data" "$out/scripts"
-for t in cuda linking; do
+for t in cuda linking distributed; do
   p=$(exe test "$t"); [ -n "$p" ] || die "no test binary for $t in $json"
   strip -o "$out/bin/test-$t" "$p"
 done
@@ -132,6 +150,7 @@ chmod +x "$out/run.sh" "$out"/bin/*
 {
   echo "tch-amp GPU bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/gpu-bundle.sh"
   echo "source: $(cd "$root" && git rev-parse HEAD)$(cd "$root" && git diff --quiet HEAD || echo ' (with uncommitted changes)')"
+  echo "features: $features"
   echo "tch/torch-sys $TCH_VERSION, libtorch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null | tail -n 1) (PyPI wheel, CUDA $cuda)"
   echo "rustc: $(rustc --version)"
   echo

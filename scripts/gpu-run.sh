@@ -6,14 +6,22 @@
 #   run.log      everything, in order
 #   summary.txt  one line per step: status, seconds, what ran
 #   fashion_mnist/record.json, fashion_mnist/curves.png   the main job's record and plot
+#   bench.json   the benchmark's figures
 # Exit status: 0 when every step passed.
+#
+# bin/test-distributed runs its cuda:: tests only (Gloo on CUDA tensors and SyncBatchNorm on
+# two processes sharing GPU 0, and, in a build with the `nccl` feature, an NCCL group of one
+# rank: NCCL cannot put two ranks on one GPU). On CUDA each summary line also gives the
+# largest GPU memory in use that nvidia-smi saw during the step (every 100 ms, the whole GPU).
 #
 #   bash .gpu-bundle/run.sh [--device cuda|cuda:N|cpu] [--skip-bench] [-- MAIN_JOB_ARGS...]
 #
 # Environment: TORCH_DIR = site-packages/torch of the PyTorch 2.11 to run against (default:
 # the one in /opt/torch/.venv, the GPU machine's); MAIN_JOB_ARGS may also come after `--`
-# (default: the README's default run, 30,000 images, 3 epochs, O0-O3); BENCH_ARGS (default
-# --no-python unless TCH_AMP_PYTHON is set).
+# (default: the README's default run, 30,000 images, 3 epochs, O0-O3); BENCH_ARGS (default:
+# none, on --device); TCH_AMP_PYTHON, the Python with torch for the benchmark's PyTorch rows
+# (default: the one of the venv holding TORCH_DIR; without one, --no-python); STEP_TIMEOUT,
+# seconds after which a step is stopped and counted as failed (default 900).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 device=cuda
@@ -48,16 +56,29 @@ export LD_LIBRARY_PATH=$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=0
 
 failed=0
+gpu_mem=0
+case $device in cuda*) command -v nvidia-smi >/dev/null && gpu_mem=1 ;; esac
 step() { # name, command...: runs it, appends its output to run.log and a line to summary.txt
   local name=$1; shift
-  local t0 rc ms secs
+  local t0 rc ms secs sampler="" mem=""
   echo "=== $name: $*" >> "$log"
+  if [ $gpu_mem = 1 ]; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/.gpu-mem" 2>/dev/null &
+    sampler=$!
+  fi
   t0=$(date +%s%N)
-  "$@" >> "$log" 2>&1
+  timeout --kill-after=10 "${STEP_TIMEOUT:-900}" "$@" >> "$log" 2>&1
   rc=$?
+  [ $rc = 124 ] && echo "=== $name: stopped after STEP_TIMEOUT=${STEP_TIMEOUT:-900} s" >> "$log"
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+    mem=$(sort -n "$OUT/.gpu-mem" | tail -n 1)
+    rm -f "$OUT/.gpu-mem"
+    [ -n "$mem" ] && mem=", GPU memory peak $mem MiB"
+  fi
   secs=$(printf '%d.%02d' $((ms / 1000)) $((ms % 1000 / 10)))
-  printf '%-4s %8ss  %s\n' "$([ $rc = 0 ] && echo ok || echo FAIL)" "$secs" "$name (exit $rc)" >> "$summary"
+  printf '%-4s %8ss  %s\n' "$([ $rc = 0 ] && echo ok || echo FAIL)" "$secs" "$name (exit $rc$mem)" >> "$summary"
   echo "=== $name: exit $rc, ${secs}s" >> "$log"
   [ $rc = 0 ] || failed=1
 }
@@ -68,22 +89,27 @@ step() { # name, command...: runs it, appends its output to run.log and a line t
   echo "TORCH_DIR=$TORCH_DIR ($(sed -n "s/^__version__ = '\(.*\)'.*/\1/p" "$TORCH_DIR/version.py" 2>/dev/null))"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  head -n 4 "$here/MANIFEST.txt" 2>/dev/null
+  head -n 5 "$here/MANIFEST.txt" 2>/dev/null
   echo "libraries of bin/test-linking:"
   ldd "$here/bin/test-linking" | grep -E 'torch|c10|cudart|cublas|not found'
 } >> "$log" 2>&1
 
 for t in "$here"/bin/test-*; do
-  step "$(basename "$t")" "$t"
+  case $(basename "$t") in
+    test-distributed) step "$(basename "$t") cuda::" "$t" cuda:: --test-threads=1 ;;
+    *) step "$(basename "$t")" "$t" ;;
+  esac
 done
 [ ${#main_args[@]} -gt 0 ] || read -r -a main_args <<< "${MAIN_JOB_ARGS:-}"
 mkdir -p "$OUT/fashion_mnist"
 step "fashion_mnist --device $device" "$here/bin/fashion_mnist" --data "$here/data" --device "$device" \
   --out "$OUT/fashion_mnist" "${main_args[@]}"
 if [ $bench = 1 ]; then
-  if [ -n "${BENCH_ARGS:-}" ]; then read -r -a bench_args <<< "$BENCH_ARGS"
-  elif [ -n "${TCH_AMP_PYTHON:-}" ]; then bench_args=()
-  else bench_args=(--no-python); fi
+  bench_args=(--device "$device" --json "$OUT/bench.json")
+  [ -n "${BENCH_ARGS:-}" ] && read -r -a extra <<< "$BENCH_ARGS" && bench_args+=("${extra[@]}")
+  venv_python=$(cd "$site/../../.." 2>/dev/null && pwd)/bin/python
+  if [ -z "${TCH_AMP_PYTHON:-}" ] && [ -x "$venv_python" ]; then export TCH_AMP_PYTHON=$venv_python; fi
+  [ -n "${TCH_AMP_PYTHON:-}" ] || bench_args+=(--no-python)
   # The bench finds scripts/bench_torch.py relative to the working directory.
   step "bench-amp ${bench_args[*]}" bash -c 'cd "$1" && shift && exec "$@"' _ "$here" "$here/bin/bench-amp" "${bench_args[@]}"
 fi

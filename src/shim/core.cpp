@@ -1,5 +1,6 @@
-// The foundation of the shim: the error channel, autocast state per device type, and
-// dispatcher schema look-ups (bound in src/sys/mod.rs and src/sys/autocast.rs).
+// The foundation of the shim: the error channel, autocast state per device type, dispatcher
+// schema look-ups and a tensor's storage offset (bound in src/sys/mod.rs and
+// src/sys/autocast.rs).
 #include "amp_shim.h"
 
 #include <ATen/ATen.h>
@@ -54,6 +55,12 @@ char* tch_amp_find_schema(const char* name, const char* overload) {
     std::string full = std::string("aten::") + name;
     c10::Dispatcher::singleton().findSchemaOrThrow(full.c_str(), overload);
   })
+}
+
+// The offset of a tensor's first element in its storage, in elements (tch 0.24, the tch of
+// libtorch 2.11 that scripts/gpu-bundle.sh builds with, has no binding for it).
+char* tch_amp_storage_offset(const at::Tensor* t, int64_t* out) {
+  TCH_AMP_PROTECT(*out = t->storage_offset())
 }
 
 }  // extern "C"

@@ -8,8 +8,10 @@
 // the Rust side can tell a rendezvous failure from a collective one.
 //
 // ProcessGroupGloo.hpp needs gloo's headers, which the torch wheel does not ship: the
-// declaration-only stand-ins in src/shim/gloo_stub/ (see its README) take their place, and the
-// static_asserts below check the class layout against the torch 2.13.0 library.
+// declaration-only stand-ins in src/shim/gloo_stub/ (see its README) take their place. The
+// Gloo options come from libtorch's own factory (Options::create_default); the one object
+// this file allocates from that header, the ProcessGroupGloo, is checked below against the
+// size each supported libtorch allocates for it.
 #define USE_C10D_GLOO 1
 
 #include "amp_shim.h"
@@ -24,19 +26,28 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/version.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
+// sizeof(c10d::ProcessGroupGloo) as each supported libtorch allocates it: the operator new
+// argument in c10d::ProcessGroupGloo::split of its libtorch_cpu.so (scripts/gloo-layout.sh
+// prints it). This file allocates the class with the size its headers and the gloo stand-ins
+// give, so the two must agree; the stand-ins only ever sit behind pointers, so they do for
+// every libtorch listed here.
+#if TORCH_VERSION_MAJOR == 2 && (TORCH_VERSION_MINOR == 11 || TORCH_VERSION_MINOR == 13)
 static_assert(sizeof(c10d::ProcessGroupGloo) == 0x1e8,
-              "c10d::ProcessGroupGloo does not have the layout of torch 2.13.0 (0x1e8 bytes): "
-              "tch-amp's distributed shim needs libtorch 2.13.0 built with the C++11 ABI");
-static_assert(sizeof(c10d::ProcessGroupGloo::Options) == 0xb8,
-              "c10d::ProcessGroupGloo::Options does not have the layout of torch 2.13.0 (0xb8 bytes)");
+              "c10d::ProcessGroupGloo as declared by these headers and src/shim/gloo_stub/ differs in "
+              "size from the one libtorch allocates (0x1e8 bytes in torch 2.11 and 2.13, see "
+              "scripts/gloo-layout.sh): update the stand-ins or the table in src/shim/distributed.cpp");
+#else
+#error "tch-amp's distributed shim knows the size of c10d::ProcessGroupGloo for torch 2.11 and 2.13 only: \
+run scripts/gloo-layout.sh on this libtorch and add its size to the table in src/shim/distributed.cpp"
+#endif
 
 namespace {
 
@@ -163,19 +174,11 @@ char* tch_amp_dist_init(const char* host, int port, int rank, int world_size, in
     c10::intrusive_ptr<c10d::Backend> b;
     if (be == "gloo") {
       auto dev_store = c10::make_intrusive<c10d::PrefixStore>("cpu/", group);
-      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      bool lazy = c10d::getDefaultGlooLazyInit();
-      if (ifname != nullptr && std::strlen(ifname) > 1) {
-        std::stringstream ss(ifname);
-        std::string iface;
-        while (std::getline(ss, iface, ',')) {
-          opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface, lazy));
-        }
-      } else {
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice(lazy));
-      }
-      opts->threads = static_cast<int>(opts->devices.size() * 2);
+      // libtorch allocates and fills the options as torch.distributed does (the devices of
+      // GLOO_SOCKET_IFNAME or the host's default one, TORCH_GLOO_LAZY_INIT, two threads per
+      // device); only Backend::Options' public fields are set here.
+      auto opts = c10d::ProcessGroupGloo::Options::create_default(timeout);
+      opts->timeout = timeout;
       opts->group_name = "0";
       auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(dev_store, rank, world_size, opts);
       gloo->setSequenceNumberForGroup();

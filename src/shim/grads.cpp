@@ -6,6 +6,33 @@
 
 #include <vector>
 
+namespace tch_amp {
+
+// libtorch's CUDA kernels of _amp_foreach_non_finite_check_and_unscale_ take fp32, fp16 and
+// fp64 only: bf16 CUDA gradients go through an fp32 copy (exact), unscaled there and rounded
+// back once, the bits libtorch's CPU kernel gives (it computes in fp32 and rounds once).
+void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                                  const at::Tensor& inv_scale, bool check_only) {
+  std::vector<at::Tensor> direct, bf16, widened;
+  for (const auto& g : grads) {
+    if (g.is_cuda() && g.scalar_type() == at::kBFloat16) {
+      bf16.push_back(g);
+      widened.push_back(g.to(at::kFloat));
+    } else {
+      direct.push_back(g);
+    }
+  }
+  if (!direct.empty()) at::_amp_foreach_non_finite_check_and_unscale_(direct, found_inf, inv_scale);
+  if (!widened.empty()) {
+    at::_amp_foreach_non_finite_check_and_unscale_(widened, found_inf, inv_scale);
+    if (!check_only) {
+      for (size_t i = 0; i < bf16.size(); ++i) bf16[i].copy_(widened[i]);
+    }
+  }
+}
+
+}  // namespace tch_amp
+
 extern "C" {
 
 // Sets `tensor.grad` to `grad` (a tensor pointer) or, when grad is NULL, to undefined (None).
@@ -21,16 +48,14 @@ char* tch_amp_set_grad(at::Tensor* tensor, at::Tensor* grad) {
 
 // In place: every tensor in `grads` is multiplied by `inv_scale` (a 1-element fp32 tensor)
 // and `found_inf` (a 1-element fp32 tensor) becomes 1 when any element of any grad is inf or
-// NaN. One fused pass per dtype group (libtorch's _amp_foreach_non_finite_check_and_unscale_);
-// no host sync.
+// NaN. One fused pass per dtype group (libtorch's _amp_foreach_non_finite_check_and_unscale_;
+// bf16 on CUDA through an fp32 copy); no host sync.
 char* tch_amp_unscale_(at::Tensor** grads, int n, at::Tensor* found_inf, at::Tensor* inv_scale) {
   TCH_AMP_PROTECT({
     std::vector<at::Tensor> list;
     list.reserve(n);
     for (int i = 0; i < n; ++i) list.push_back(*grads[i]);
-    if (!list.empty()) {
-      at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
-    }
+    if (!list.empty()) tch_amp::non_finite_check_and_unscale(list, *found_inf, *inv_scale, false);
   })
 }
 

@@ -28,6 +28,7 @@ pub(crate) use optim::{
 
 extern "C" {
     fn tch_amp_free_error(err: *mut c_char);
+    fn tch_amp_storage_offset(t: *const C_tensor, out: *mut i64) -> *mut c_char;
 }
 
 /// Turns the shim's return value (NULL or an owned message) into a `Result`.
@@ -53,6 +54,19 @@ fn take_string(ptr: *mut c_char) -> String {
 /// The shim-side handle of a tensor (tch's `C_tensor`, an `at::Tensor*`).
 fn ptr(t: &Tensor) -> *mut C_tensor {
     t.as_ptr() as *mut C_tensor
+}
+
+/// The offset of `t`'s first element in its storage, in elements (`Tensor::storage_offset`,
+/// which tch 0.24 lacks); libtorch's message as a [`tch::TchError::Torch`] otherwise.
+pub(crate) fn storage_offset(t: &Tensor) -> std::result::Result<i64, tch::TchError> {
+    let mut out = 0i64;
+    // SAFETY: a live tensor handle and a valid out-pointer for the duration of the call.
+    let err = unsafe { tch_amp_storage_offset(t.as_ptr(), &mut out) };
+    if err.is_null() {
+        Ok(out)
+    } else {
+        Err(tch::TchError::Torch(take_string(err)))
+    }
 }
 
 /// Handles of `tensors`, and their count as the shim's `int`.

@@ -306,8 +306,8 @@ pub(crate) fn plan(value: &Value) -> Result<(Vec<TensorOut>, Vec<StorageOut>)> {
         };
         let size = t.size();
         let stride = t.stride();
-        let storage_offset =
-            t.f_storage_offset().map_err(torch_err(format!("reading the storage offset of {}", format_path(path))))?;
+        let storage_offset = crate::sys::storage_offset(t)
+            .map_err(torch_err(format!("reading the storage offset of {}", format_path(path))))?;
         let extent = needed_elements(&size, &stride, storage_offset)
             .ok_or_else(|| unsupported(format!("size {size:?} / stride {stride:?} overflow")))?;
         let es = elem_size(kind) as usize;

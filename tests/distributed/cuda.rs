@@ -63,8 +63,8 @@ fn sync_batch_norm_cuda_kernels() {
 #[test]
 fn nccl_group_of_one() {
     use tch_amp::distributed::{Backend, InitOptions, ProcessGroup};
-    let port = distributed_support::free_port();
-    let opts = InitOptions::new(0, 1, "127.0.0.1", port).backend(Backend::Nccl).timeout(distributed_support::TIMEOUT);
+    let port = crate::support::free_port();
+    let opts = InitOptions::new(0, 1, "127.0.0.1", port).backend(Backend::Nccl).timeout(crate::support::TIMEOUT);
     let pg = ProcessGroup::init(&opts).unwrap();
     let mut t = Tensor::full([4], 2.0, (Kind::Float, cuda()));
     pg.all_reduce_(&mut t, ReduceOp::Sum).unwrap();
