@@ -40,6 +40,10 @@ enum Workload {
     Mlp,
     Cnn,
     Transformer,
+    /// GPU-sized: the MLP at width 4096, batch 2048.
+    MlpBig,
+    /// GPU-sized: torchvision's ResNet-50 (tch::vision::resnet), batch 128 of 3x224x224.
+    Resnet50,
 }
 
 impl Workload {
@@ -48,6 +52,8 @@ impl Workload {
             Workload::Mlp => "mlp",
             Workload::Cnn => "cnn",
             Workload::Transformer => "transformer",
+            Workload::MlpBig => "mlp-big",
+            Workload::Resnet50 => "resnet50",
         }
     }
     fn describe(self) -> &'static str {
@@ -57,6 +63,8 @@ impl Workload {
             Workload::Transformer => {
                 "2 pre-LN encoder blocks (d 256, 4 heads, FF 1024, GELU), batch 8 x 64 tokens (attention, LayerNorm, softmax)"
             }
+            Workload::MlpBig => "MLP 784-4096-4096-10 with batch norm, batch 2048 (GEMM-bound; for GPUs)",
+            Workload::Resnet50 => "torchvision's ResNet-50, batch 128 of 3x224x224 (for GPUs)",
         }
     }
 }
@@ -244,6 +252,7 @@ enum Net {
     Mlp(nn::SequentialT),
     Cnn(resnet::SmallResNet),
     Transformer(Encoder),
+    Other(Box<dyn ModuleT>),
 }
 
 impl ModuleT for Net {
@@ -251,6 +260,7 @@ impl ModuleT for Net {
         match self {
             Net::Mlp(m) => m.forward_t(xs, train),
             Net::Cnn(m) => m.forward_t(xs, train),
+            Net::Other(m) => m.forward_t(xs, train),
             Net::Transformer(m) => {
                 let mut x = xs.shallow_clone();
                 for b in &m.blocks {
@@ -265,19 +275,26 @@ impl ModuleT for Net {
 const MLP_BATCH: i64 = 128;
 const MLP_HIDDEN: i64 = 1024;
 const CNN_BATCH: i64 = 128;
+const MLP_BIG_HIDDEN: i64 = 4096;
+const MLP_BIG_BATCH: i64 = 2048;
+const RESNET50_BATCH: i64 = 128;
 
 fn build(w: Workload, vs: &VarStore) -> Net {
     let r = vs.root();
     match w {
-        Workload::Mlp => Net::Mlp(
-            nn::seq_t()
-                .add(nn::linear(&r / "fc1", 784, MLP_HIDDEN, Default::default()))
-                .add(nn::batch_norm1d(&r / "bn1", MLP_HIDDEN, Default::default()))
-                .add_fn(|x| x.relu())
-                .add(nn::linear(&r / "fc2", MLP_HIDDEN, MLP_HIDDEN, Default::default()))
-                .add_fn(|x| x.relu())
-                .add(nn::linear(&r / "fc3", MLP_HIDDEN, 10, Default::default())),
-        ),
+        Workload::Mlp | Workload::MlpBig => {
+            let h = if w == Workload::Mlp { MLP_HIDDEN } else { MLP_BIG_HIDDEN };
+            Net::Mlp(
+                nn::seq_t()
+                    .add(nn::linear(&r / "fc1", 784, h, Default::default()))
+                    .add(nn::batch_norm1d(&r / "bn1", h, Default::default()))
+                    .add_fn(|x| x.relu())
+                    .add(nn::linear(&r / "fc2", h, h, Default::default()))
+                    .add_fn(|x| x.relu())
+                    .add(nn::linear(&r / "fc3", h, 10, Default::default())),
+            )
+        }
+        Workload::Resnet50 => Net::Other(Box::new(tch::vision::resnet::resnet50(&r, 1000))),
         Workload::Cnn => Net::Cnn(resnet::SmallResNet::new(
             &r,
             resnet::ResNetConfig { in_channels: 1, num_classes: 10, width: 16, stages: 2, pool: 7 },
@@ -292,6 +309,8 @@ fn data(w: Workload, device: Device) -> (Tensor, Tensor) {
         Workload::Mlp => (vec![MLP_BATCH, 784], MLP_BATCH),
         Workload::Cnn => (vec![CNN_BATCH, 1, 28, 28], CNN_BATCH),
         Workload::Transformer => (vec![TR_BATCH, TR_TOKENS, TR_D], TR_BATCH),
+        Workload::MlpBig => (vec![MLP_BIG_BATCH, 784], MLP_BIG_BATCH),
+        Workload::Resnet50 => (vec![RESNET50_BATCH, 3, 224, 224], RESNET50_BATCH),
     };
     (Tensor::randn(shape, (Kind::Float, device)), Tensor::randint(10, [n], (Kind::Int64, device)))
 }
@@ -301,6 +320,9 @@ fn data(w: Workload, device: Device) -> (Tensor, Tensor) {
 fn flops_per_step(w: Workload) -> f64 {
     let fwd = match w {
         Workload::Mlp => 2.0 * MLP_BATCH as f64 * (784.0 * 1024.0 + 1024.0 * 1024.0 + 1024.0 * 10.0),
+        Workload::MlpBig => 2.0 * MLP_BIG_BATCH as f64 * (784.0 * 4096.0 + 4096.0 * 4096.0 + 4096.0 * 10.0),
+        // torchvision's figure for ResNet-50: 4.09 GFLOP (multiply-adds counted twice) per image.
+        Workload::Resnet50 => 4.09e9 * RESNET50_BATCH as f64,
         Workload::Cnn => {
             // (out channels, in channels, kernel, output side) of every convolution, and the head.
             let convs = [

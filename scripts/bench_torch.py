@@ -47,9 +47,17 @@ if a.threads:
 device = torch.device(a.device)
 
 
-def mlp():
-    return nn.Sequential(nn.Linear(784, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 10))
+def mlp(h=1024):
+    return nn.Sequential(nn.Linear(784, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10))
+
+
+def mlp_big():
+    return mlp(4096)
+
+
+def resnet50():
+    import torchvision  # only the GPU-sized workload needs it
+    return torchvision.models.resnet50(num_classes=1000)
 
 
 class Block(nn.Module):
@@ -128,6 +136,8 @@ WORKLOADS = {
     "mlp": (mlp, (128, 784)),
     "cnn": (SmallResNet, (128, 1, 28, 28)),
     "transformer": (Encoder, (8, 64, 256)),
+    "mlp-big": (mlp_big, (2048, 784)),
+    "resnet50": (resnet50, (128, 3, 224, 224)),
 }
 
 
