@@ -1010,6 +1010,7 @@ impl AmpOptimizer {
 
     /// Checks `record` against this optimizer and stages its values on the parameters' device.
     pub(crate) fn stage_record(&self, record: OptimizerRecord) -> Result<StagedRecord> {
+        record.validate()?;
         self.check_identity(&record)?;
         let names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
         if names != self.param_names() {
