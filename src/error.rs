@@ -375,6 +375,18 @@ pub enum AmpError {
          gradients into the fp32 masters and checks them for overflow)"
     )]
     MasterGradsNotUpdated,
+    /// Loaded optimizer state that would poison the next step: a negative second moment (its
+    /// square root is NaN), or a hyper-parameter finite in f64 that becomes inf or 0 in fp32,
+    /// where the update is computed (`lr = 1e308`, `eps = 5e-324`). Found by
+    /// [`crate::optim::OptimizerRecord::validate`] before anything is applied; nothing was loaded.
+    #[error("optimizer state {param}: {message}; nothing was loaded (the checkpoint is corrupt or crafted)")]
+    PoisonedState {
+        /// The parameter (its VarStore name, with the buffer: `fc.weight exp_avg_sq`) or the
+        /// hyper-parameter (`group 0 lr`).
+        param: String,
+        /// What is wrong.
+        message: String,
+    },
     /// Model and master parameter lists of `fp16_utils` that do not belong together.
     #[error("fp16_utils: {message}")]
     ParamListMismatch {

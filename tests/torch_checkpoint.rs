@@ -684,6 +684,39 @@ fn bad_files_give_typed_errors_and_change_nothing() {
         checkpoint_bytes(&t),
         &|e| matches!(e, TorchCheckpointError::NonFinite { path } if path == "optimizer.state.0.momentum_buffer"),
     );
+    // A learning rate finite in f64, inf in fp32: nothing applied, the parameter named.
+    let mut t = tree();
+    edit(&mut t, &["optimizer"], |o| {
+        let Value::Dict(d) = o else { panic!("optimizer is not a dict") };
+        let Some(Value::List(groups)) = d.remove(&Key::from("param_groups")) else { panic!("no param_groups") };
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                let Value::Dict(mut g) = g else { panic!("a group is not a dict") };
+                g.insert("lr", Value::Float(1e308));
+                Value::Dict(g)
+            })
+            .collect();
+        d.insert("param_groups", Value::List(groups));
+    });
+    check(
+        "lr 1e308",
+        checkpoint_bytes(&t),
+        &|e| matches!(e, TorchCheckpointError::Amp(AmpError::PoisonedState { param, .. }) if param.ends_with("lr")),
+    );
+    // A file whose rebuild calls nest 100,000 deep: a typed error, not a stack overflow.
+    let mut p = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\nq\x000ctorch\nTensor\nq\x010)q\x020".to_vec();
+    for _ in 0..100_000 {
+        p.extend(b"(h\x00h\x01h\x02Ntq\x020");
+    }
+    p.extend(b"h\x00h\x02R.");
+    let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    let stored = zip::write::FileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    zip.start_file("archive/data.pkl", stored).unwrap();
+    std::io::Write::write_all(&mut zip, &p).unwrap();
+    check("nested rebuild calls", zip.finish().unwrap().into_inner(), &|e| {
+        matches!(e, TorchCheckpointError::File(TorchIoError::TooDeep { limit: 256, .. }))
+    });
     let mut t = tree();
     edit(&mut t, &["optimizer", "state"], |st| {
         if let Value::Dict(d) = st {

@@ -3,8 +3,8 @@
     python torch_io_fixtures.py write DIR GROUPS   # GROUPS: comma-separated, of
         # real  (a state dict, SGD and Adam checkpoints), edge (the edge cases),
         # bad   (files tch-amp must refuse), seeds (the small files the fuzz test mutates),
-        # tar   (the tar container of torch < 0.1.10, built by hand to the layout torch.load's
-        #        legacy_load reads, and checked by loading it with torch 2.13 itself)
+        # legacy_view (a legacy stream with storage views, as torch < 1.0 wrote them, built by
+        #        hand and checked by loading it with torch 2.13 itself)
     python torch_io_fixtures.py check OUT.json FILE[:EXPECT] ...
         # torch.load(FILE) with weights_only=True, with weights_only=False and with mmap=True; all must give the
         # same tree; EXPECT ("edge", or a path to a .pt file torch wrote) names what the tree must
@@ -166,7 +166,8 @@ class Evil:
 
 def write(d, groups):
     for g in groups.split(","):
-        {"real": write_real, "edge": write_edge, "bad": write_bad, "seeds": seeds, "tar": write_tar}[g](d)
+        {"real": write_real, "edge": write_edge, "bad": write_bad, "seeds": seeds,
+         "legacy_view": write_legacy_view}[g](d)
 
 
 def write_real(d):
@@ -219,85 +220,6 @@ def seeds(d):
     tree["model"]._metadata = OrderedDict([("", {"version": 1})])
     torch.save(tree, os.path.join(d, "seed.zip.pt"))
     torch.save(tree, os.path.join(d, "seed.legacy.pt"), _use_new_zipfile_serialization=False)
-
-
-def tar_bytes(storages, views, tensors, obj):
-    """A tar checkpoint as torch.load's legacy_load (tarfile branch) reads it.
-
-    storages: [(key, storage_class, flat tensor)]; views: [(view_key, root_key, offset, numel)];
-    tensors: [(key, storage_key, tensor_class, size, stride, offset, python_object)];
-    obj: the tree, whose tensors (matched by identity) become persistent ids str(key)."""
-    import io
-    import struct
-    import tarfile
-
-    def member(tar, name, data):
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-
-    st = io.BytesIO()
-    pickle.dump(len(storages), st, protocol=2)
-    for key, cls, flat in storages:
-        pickle.dump((key, "cpu", cls), st, protocol=2)
-        st.write(struct.pack("<q", flat.numel()))
-        st.write(flat.contiguous().view(torch.uint8).numpy().tobytes())
-    pickle.dump(views, st, protocol=2)
-    te = io.BytesIO()
-    pickle.dump(len(tensors), te, protocol=2)
-    keys = {}
-    for key, skey, cls, size, stride, offset, t in tensors:
-        pickle.dump((key, skey, cls), te, protocol=2)
-        te.write(struct.pack("<i", len(size)) + b"\0\0\0\0")
-        te.write(struct.pack(f"<{len(size)}q", *size) + struct.pack(f"<{len(stride)}q", *stride))
-        te.write(struct.pack("<q", offset))
-        keys[id(t)] = key
-
-    class P(pickle.Pickler):
-        def persistent_id(self, o):
-            return str(keys[id(o)]) if isinstance(o, torch.Tensor) else None
-
-    pk = io.BytesIO()
-    P(pk, protocol=2).dump(obj)
-    sys_info = io.BytesIO()
-    pickle.dump({"protocol_version": 1001, "little_endian": True,
-                 "type_sizes": {"short": 2, "int": 4, "long": 8}}, sys_info, protocol=2)
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, buf in [("sys_info", sys_info), ("storages", st), ("tensors", te), ("pickle", pk)]:
-            member(tar, name, buf.getvalue())
-    return out.getvalue()
-
-
-def write_tar(d):
-    w = torch.arange(6, dtype=torch.float32) / 4
-    h = (torch.arange(4, dtype=torch.float32) - 2).to(torch.float16)
-    root = torch.arange(10, dtype=torch.float64) / 8
-    # Placeholders: what the pickle refers to; torch.load rebuilds them from the records.
-    pw, pwt, ph, pv1, pv2 = (torch.empty(0) for _ in range(5))
-    obj = {"w": pw, "w_t": pwt, "half": ph, "v1": pv1, "v2": pv2, "n": 5, "list": [1.5, "x"]}
-    data = tar_bytes(
-        storages=[(11, torch.FloatStorage, w), (12, torch.HalfStorage, h), (13, torch.DoubleStorage, root)],
-        views=[(14, 13, 2, 5)],
-        tensors=[
-            (21, 11, torch.FloatTensor, [2, 3], [3, 1], 0, pw),
-            (22, 11, torch.FloatTensor, [3, 2], [1, 3], 0, pwt),
-            (23, 12, torch.HalfTensor, [2, 2], [2, 1], 0, ph),
-            (24, 14, torch.DoubleTensor, [3], [1], 1, pv1),
-            (25, 14, torch.DoubleTensor, [2], [2], 0, pv2),
-        ],
-        obj=obj,
-    )
-    path = os.path.join(d, "legacy.tar")
-    with open(path, "wb") as f:
-        f.write(data)
-    # torch 2.13 reads it (weights_only=False: it refuses tar archives otherwise).
-    loaded = torch.load(path, weights_only=False)
-    if not torch.equal(loaded["w_t"], w.reshape(2, 3).t()) or loaded["v1"][0].item() != 3 / 8:
-        sys.exit("torch.load read the hand-built tar archive differently than intended")
-    with open(os.path.join(d, "legacy.tar.json"), "w") as f:
-        json.dump(manifest(loaded), f)
-    write_legacy_view(d)
 
 
 def write_legacy_view(d):

@@ -29,6 +29,20 @@ use std::collections::BTreeMap;
 
 use tch::Tensor;
 
+use crate::error::{AmpError, Result, TorchContext};
+
+/// The built-in rules whose state holds second moments (or sums of squares), and the names of
+/// those buffers: never negative in a state the rule produced.
+const SECOND_MOMENTS: &[(&str, &[&str])] = &[
+    ("adam", &["exp_avg_sq", "max_exp_avg_sq"]),
+    ("adamw", &["exp_avg_sq", "max_exp_avg_sq"]),
+    ("rmsprop", &["square_avg"]),
+    ("fused_adam", &["exp_avg_sq"]),
+    ("fused_lamb", &["exp_avg_sq"]),
+    ("fused_novograd", &["exp_avg_sq"]),
+    ("fused_adagrad", &["sum"]),
+];
+
 /// An optimizer's persistent state (see the module docs for the correspondence with
 /// torch.optim's `state_dict()`).
 #[derive(Debug)]
@@ -58,6 +72,73 @@ pub struct OptimizerRecord {
     pub skipped: u64,
     /// One record per parameter, in the optimizer's order ([`crate::AmpOptimizer::param_names`]).
     pub params: Vec<ParamRecord>,
+}
+
+impl OptimizerRecord {
+    /// Checks for state that would poison the next step, which finite-value checks miss: a
+    /// negative second moment (`exp_avg_sq`, `max_exp_avg_sq`, `square_avg`, Adagrad's `sum`)
+    /// of a built-in rule, whose square root is NaN; a learning rate or hyper-parameter that is
+    /// not finite, or finite in f64 but inf in fp32 (`1e308`), or non-zero in f64 but 0 in
+    /// fp32 (`5e-324`): updates are computed in fp32. Every loader calls it before applying
+    /// anything ([`crate::AmpOptimizer::load_record`], [`crate::load_checkpoint`],
+    /// [`crate::load_torch_checkpoint`]). Step counts are unsigned, so never negative here.
+    ///
+    /// # Errors
+    /// [`AmpError::PoisonedState`] naming the parameter and buffer, or the hyper-parameter.
+    pub fn validate(&self) -> Result<()> {
+        check_hyper("lr", self.lr)?;
+        for (name, &v) in &self.hyper_parameters {
+            check_hyper(name, v)?;
+        }
+        for (id, &lr) in &self.group_lr {
+            check_hyper(&format!("group {id} lr"), lr)?;
+        }
+        for g in &self.groups {
+            check_hyper(&format!("group {} lr", g.id), g.lr)?;
+            for (name, &v) in &g.hyper_parameters {
+                check_hyper(&format!("group {} {name}", g.id), v)?;
+            }
+        }
+        let second: &[&str] = SECOND_MOMENTS.iter().find(|(k, _)| *k == self.kind).map_or(&[], |(_, n)| n);
+        for p in &self.params {
+            for (buf, t) in &p.buffers {
+                if !second.contains(&buf.as_str()) || t.numel() == 0 {
+                    continue;
+                }
+                // NaN compares false too: refused here as well.
+                let ok = t
+                    .f_ge(0.0)
+                    .and_then(|m| m.f_all())
+                    .and_then(|a| a.f_int64_value(&[]))
+                    .ctx("checking optimizer state")?;
+                if ok == 0 {
+                    let min = t.f_min().and_then(|m| m.f_double_value(&[])).ctx("checking optimizer state")?;
+                    return Err(AmpError::PoisonedState {
+                        param: format!("{} {buf}", p.name),
+                        message: format!(
+                            "a second moment holds {min} (it is never negative or NaN; its square root would be NaN)"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A hyper-parameter that fp32 arithmetic can use as the f64 value means it.
+fn check_hyper(name: &str, v: f64) -> Result<()> {
+    let f = v as f32;
+    let message = if !v.is_finite() {
+        format!("{v:e} is not finite")
+    } else if f.is_infinite() {
+        format!("{v:e} is finite in f64 but inf in fp32, where the update is computed")
+    } else if v != 0.0 && f == 0.0 {
+        format!("{v:e} is non-zero in f64 but 0 in fp32, where the update is computed")
+    } else {
+        return Ok(());
+    };
+    Err(AmpError::PoisonedState { param: name.to_string(), message })
 }
 
 /// One parameter group's persistent state (torch.optim's `param_groups[i]`).

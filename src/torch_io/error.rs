@@ -24,15 +24,24 @@ pub enum TorchIoError {
         #[source]
         source: std::io::Error,
     },
-    /// The bytes are none of the containers `torch.save` writes (zip, legacy pickle stream, tar).
+    /// The bytes are none of the containers `torch.save` writes (zip, legacy pickle stream).
     #[error(
-        "not a torch.save file: {reason} (expected a zip archive holding data.pkl, a legacy pickle \
-         stream starting with torch's magic number, or a legacy tar archive)"
+        "not a torch.save file: {reason} (expected a zip archive holding data.pkl or a legacy pickle \
+         stream starting with torch's magic number)"
     )]
     UnknownFormat {
         /// What was found instead.
         reason: String,
     },
+    /// A tar archive, the container of torch < 0.1.10, which this reader does not read. torch
+    /// itself still reads it under `weights_only=False` (it runs the file's pickles, so only
+    /// for a file you trust): `torch.save(torch.load(path, weights_only=False), new_path)`
+    /// writes the zip archive this reader reads.
+    #[error(
+        "a tar archive from torch < 0.1.10, which is not read: re-save it in Python with \
+         torch.save(torch.load(path, weights_only=False), new_path) (only for a file you trust)"
+    )]
+    LegacyTar,
     /// The file ends before the structure it announces is complete.
     #[error("truncated file: {what} needs {needed} bytes at offset {offset}, but only {available} remain")]
     Truncated {
@@ -62,6 +71,38 @@ pub enum TorchIoError {
     Zip {
         /// The zip reader's message.
         message: String,
+    },
+    /// A zip archive holding two entries of one name. torch.load reads the first, most zip
+    /// tools the last: which one was meant is unknowable, so neither is read.
+    #[error(
+        "the archive holds two entries named {name:?}: refused (torch.load would read the first, zip tools the last)"
+    )]
+    DuplicateRecord {
+        /// The name.
+        name: String,
+    },
+    /// A zip archive with entries under more than one top folder: torch.save writes every
+    /// record under one folder, and torch.load reads one folder's records, ignoring the rest.
+    #[error(
+        "the archive holds entries under {first:?} and {second:?}: torch.save writes one folder; \
+         refused (split it into one archive per folder)"
+    )]
+    MixedFolders {
+        /// The folder holding `data.pkl`.
+        first: String,
+        /// Another top-level folder (or a file outside any folder).
+        second: String,
+    },
+    /// Reading would take more memory than the file's size justifies: a zip entry inflating
+    /// beyond its ratio cap, objects a pickle copies or a tree its shared references expand
+    /// past their byte budget. The bounds are stated in [`crate::torch_io`]'s module docs; a
+    /// file torch.save wrote stays far below them.
+    #[error("{what} exceeds its limit of {limit} bytes: the file is crafted or corrupt")]
+    TooLarge {
+        /// What grew too large.
+        what: String,
+        /// The limit, in bytes.
+        limit: u64,
     },
     /// A record the container must hold is absent.
     #[error("the archive has no record {name:?}: {hint}")]
@@ -209,8 +250,8 @@ pub enum TorchIoError {
         /// What (`"storage"`, `"torch.float16"`, ...).
         found: String,
     },
-    /// Nesting beyond the limit (or a self-referencing structure), or a tree that expands past
-    /// the node budget through shared references.
+    /// Nesting beyond the limit (or a self-referencing structure), in the tree or in nested
+    /// rebuild calls.
     #[error("{what} at {path}: the limit is {limit}")]
     TooDeep {
         /// What overflowed ("nesting depth", "node count").

@@ -1,8 +1,8 @@
 //! Reading and writing PyTorch `torch.save` files (`.pt`, `.pth`), without Python.
 //!
-//! [`load`] reads any container `torch.save` has written into a [`Value`] tree: the zip
-//! archive (torch >= 1.6), the legacy pickle stream (torch 0.1.10 to 1.5, or
-//! `_use_new_zipfile_serialization=False`) and the tar archive (torch < 0.1.10), with tensors as tch [`Tensor`](tch::Tensor)s that
+//! [`load`] reads the containers `torch.save` has written since torch 0.1.10 into a [`Value`]
+//! tree: the zip archive (torch >= 1.6) and the legacy pickle stream (torch 0.1.10 to 1.5, or
+//! `_use_new_zipfile_serialization=False`; Apex-era checkpoints), with tensors as tch [`Tensor`](tch::Tensor)s that
 //! keep their dtype, shape, strides and storage offset, and share storage where the saved
 //! tensors did (tied weights stay tied). [`save`] writes a tree back as the zip archive, in a
 //! form that `torch.load(path)` reads under both `weights_only=True` (the default since torch
@@ -38,9 +38,32 @@
 //! and `_codecs.encode` / `bytearray` for bytes. Any other global is a
 //! [`TorchIoError::DisallowedGlobal`] at the moment the pickle names it; nothing is ever
 //! imported or executed. Every tensor's shape, strides and offset are checked against its
-//! storage before libtorch sees them, storage sizes against the bytes in the file, and
-//! nesting depth and node count are bounded. A malformed file gives a typed error, never a
-//! panic or an out-of-bounds read.
+//! storage before libtorch sees them (in checked arithmetic), storage sizes against the bytes
+//! in the file. A malformed file gives a typed error, never a panic or an out-of-bounds read.
+//!
+//! The reader's work is bounded by its input, whatever the file holds:
+//! - **Stack**: independent of the file. The unpickler is a loop over an explicit stack; the
+//!   one call that nests (`_rebuild_from_type_v2` wrapping another rebuild) is unrolled, at
+//!   most 256 deep; the tree conversion recurses at most 256 containers deep (under 1.5 MiB
+//!   of stack in a debug build, the tests run it on 2 MiB threads; far less optimized). Deeper
+//!   is [`TorchIoError::TooDeep`].
+//! - **Memory**: at most a small constant times the file's size, plus the tensor bytes the
+//!   file holds. Strings and bytes are shared (`Rc`) inside the unpickler however often the
+//!   pickle references them; containers are built once, and the calls that copy one
+//!   (`OrderedDict(d)`, `torch.Size(l)`, `bytearray(b)`, BUILD) may copy at most 16 bytes per
+//!   pickle byte; the [`Value`] tree owns its nodes, so shared references are expanded, at
+//!   most 64 bytes of tree per pickle byte (a tensor node counts 512 bytes, its storage is
+//!   shared). Each budget has a floor of 4 MiB. Past a budget: [`TorchIoError::TooLarge`].
+//!   Each storage is read once into one tensor; dtype views of it (`_rebuild_tensor_v3`) share
+//!   its memory. The zip reader holds one storage's bytes at a time besides the tensors.
+//! - **Zip**: `data.pkl` is at most 1 GiB; a stored entry at most the archive's size; a
+//!   compressed entry (torch.save never compresses) is inflated to at most 32 times its
+//!   compressed size, refused before inflating when its header claims more
+//!   ([`TorchIoError::TooLarge`]), and never read past the size its header claims. An archive
+//!   holding a name twice ([`TorchIoError::DuplicateRecord`]) or entries under two top
+//!   folders ([`TorchIoError::MixedFolders`]) is refused: torch.load and zip tools would
+//!   disagree on what it holds.
+//! - **Time**: linear in the bytes above (the file, the budgets, the tensor bytes).
 //!
 //! ## Differences from `torch.load` / `torch.save`
 //! - Only data is read: containers, numbers, strings, bytes and dense tensors. A pickled
@@ -54,7 +77,7 @@
 //! - A Python 2 `str` (legacy files) becomes [`Value::Str`] when it is UTF-8, [`Value::Bytes`]
 //!   otherwise.
 //! - Bool storages must hold only 0 and 1.
-//! - Storage views of old files (a legacy or tar storage that is a slice of another): tch has
+//! - Storage views of old files (a legacy storage that is a slice of another): tch has
 //!   no storage slices, so such tensors view the root storage, their `storage_offset()` counted
 //!   from the root's start (Python counts from the slice's); memory and sharing are the same.
 //! - Writing: a storage is written once, however many tensors view it, but only up to the
@@ -63,11 +86,10 @@
 //!   The whole file is built in a temporary file beside the target, synced and renamed over
 //!   it: a failed save leaves the previous file as it was.
 //!
-//! Legacy and tar files are read into memory whole; zip archives are read record by record.
-//! The tar format (torch < 0.1.10) is read as torch.load's `legacy_load` reads it (storages
-//! with their views, tensor records, then the object pickle); it is tested against archives
-//! built to that layout and checked with torch 2.13's own reader, not against files written
-//! by a torch of that era (torch 2.13 cannot write it, and refuses it under `weights_only=True`).
+//! - The tar archive of torch < 0.1.10 is not read: [`TorchIoError::LegacyTar`] says how to
+//!   re-save it with torch.
+//!
+//! Legacy files are read into memory whole; zip archives are read record by record.
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
@@ -97,7 +119,7 @@ pub enum Format {
     Zip,
     /// Legacy pickle stream: torch 0.1.10 to 1.5, or `_use_new_zipfile_serialization=False`.
     Legacy,
-    /// Tar archive: torch < 0.1.10.
+    /// Tar archive: torch < 0.1.10. Recognised, not read ([`TorchIoError::LegacyTar`]).
     Tar,
 }
 
@@ -138,7 +160,9 @@ pub fn load(path: impl AsRef<Path>) -> Result<Value> {
 ///
 /// # Errors
 /// [`TorchIoError::Io`] when the file cannot be read; [`TorchIoError::UnknownFormat`],
-/// [`TorchIoError::Zip`], [`TorchIoError::BadMagic`], [`TorchIoError::Truncated`],
+/// [`TorchIoError::LegacyTar`], [`TorchIoError::Zip`], [`TorchIoError::DuplicateRecord`],
+/// [`TorchIoError::MixedFolders`], [`TorchIoError::TooLarge`], [`TorchIoError::TooDeep`],
+/// [`TorchIoError::BadMagic`], [`TorchIoError::Truncated`],
 /// [`TorchIoError::Pickle`], [`TorchIoError::DisallowedGlobal`],
 /// [`TorchIoError::StorageOutOfBounds`], [`TorchIoError::UnknownDtype`] and the other
 /// variants for malformed or unsupported content.
@@ -153,16 +177,13 @@ pub fn load_with(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Value>
             file.seek(SeekFrom::Start(0)).map_err(io_err("reading", path))?;
             container::read_zip(std::io::BufReader::new(file), len, options.map_location)
         }
-        Some(format @ (Format::Legacy | Format::Tar)) => {
+        Some(Format::Legacy) => {
             let mut data = head;
             data.reserve(len.saturating_sub(data.len() as u64) as usize);
             file.read_to_end(&mut data).map_err(io_err("reading", path))?;
-            if format == Format::Tar {
-                container::read_tar(&data, options.map_location)
-            } else {
-                container::read_legacy(&data, options.map_location)
-            }
+            container::read_legacy(&data, options.map_location)
         }
+        Some(Format::Tar) => Err(TorchIoError::LegacyTar),
         None => Err(container::unknown_format(&head)),
     }
 }
@@ -175,7 +196,7 @@ pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
     match container::detect(bytes) {
         Some(Format::Zip) => container::read_zip(std::io::Cursor::new(bytes), bytes.len() as u64, options.map_location),
         Some(Format::Legacy) => container::read_legacy(bytes, options.map_location),
-        Some(Format::Tar) => container::read_tar(bytes, options.map_location),
+        Some(Format::Tar) => Err(TorchIoError::LegacyTar),
         None => Err(container::unknown_format(bytes)),
     }
 }

@@ -5,7 +5,15 @@
 //!
 //! Objects live in an arena (`Heap`), referenced by index, so that memo references see later
 //! mutations (pickle memoizes a list before APPENDS fills it) without reference counting, and
-//! a self-referencing pickle cannot leak or loop (conversion bounds depth and node count).
+//! a self-referencing pickle cannot leak or loop (conversion bounds depth and bytes).
+//!
+//! The machine's work is bounded by its input: every opcode pushes at most one object, strings
+//! and bytes are shared (`Rc`) however often the memo hands them out, the only recursive call
+//! (`_rebuild_from_type_v2` wrapping another rebuild) is unrolled into a loop of at most
+//! [`MAX_DEPTH`] steps, and the calls that copy a container (`OrderedDict(d)`, `torch.Size(l)`,
+//! `bytearray(b)`, BUILD, a call's argument tuple) are charged against a copy budget of
+//! [`COPY_BUDGET_PER_BYTE`] bytes per pickle byte (plus [`BUDGET_FLOOR`]), so a pickle that
+//! copies one big container again and again is refused rather than grown quadratically.
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -13,6 +21,12 @@ use tch::Kind;
 
 use super::error::{Result, TorchIoError};
 use super::value::to_i128;
+use super::MAX_DEPTH;
+
+/// Bytes a pickle may copy (container items, byte strings) per byte of pickle.
+pub(crate) const COPY_BUDGET_PER_BYTE: u64 = 16;
+/// Added to every byte budget, so that small pickles are never refused for it.
+pub(crate) const BUDGET_FLOOR: u64 = 4 << 20;
 
 /// A pickle value on the stack or in the memo. Containers and torch objects are `Ref`s into
 /// the heap.
@@ -54,9 +68,6 @@ pub(crate) enum Global {
     Bytearray,
     TensorType,
     ParameterType,
-    /// A legacy typed tensor class (`torch.FloatTensor`, `torch.cuda.HalfTensor`), named in
-    /// the tar format's tensor records.
-    TensorClass,
     StorageType(Kind),
     Dtype(Kind),
 }
@@ -76,7 +87,6 @@ impl Global {
             Global::Bytearray => "builtins.bytearray".into(),
             Global::TensorType => "torch.Tensor".into(),
             Global::ParameterType => "torch.nn.parameter.Parameter".into(),
-            Global::TensorClass => "legacy tensor class".into(),
             Global::StorageType(k) => format!("storage type of {k:?}"),
             Global::Dtype(k) => format!("dtype {k:?}"),
         }
@@ -137,7 +147,7 @@ impl Persistent for StorageTable {
         let unsupported = |message: String| TorchIoError::Unsupported { offset, message };
         let items = match pid {
             Obj::Ref(i) => match heap.get(*i) {
-                HeapObj::Tuple(items) => items.clone(),
+                HeapObj::Tuple(items) => items,
                 _ => return Err(unsupported("persistent id is not a tuple".into())),
             },
             _ => return Err(unsupported("persistent id is not a tuple".into())),
@@ -152,6 +162,8 @@ impl Persistent for StorageTable {
         if items.len() != 5 && items.len() != 6 {
             return Err(unsupported(format!("storage persistent id with {} fields", items.len())));
         }
+        // At most 6 items: cloned so the heap can be pushed to below.
+        let items = items.clone();
         let kind = match &items[1] {
             Obj::Ref(i) => match heap.get(*i) {
                 HeapObj::Global(Global::StorageType(k)) => *k,
@@ -222,9 +234,13 @@ impl Persistent for StorageTable {
     }
 }
 
-/// A str, or ASCII bytes (Python 2 pickles), as a String.
+/// A str, or ASCII bytes (Python 2 pickles), as a String; `None` for anything else and for
+/// text longer than a line (keys and locations are short, and a long one shared through the
+/// memo would be copied on every use).
 fn ascii(o: &Obj) -> Option<String> {
     match o {
+        Obj::Str(s) if s.len() > MAX_LINE => None,
+        Obj::Bytes(b) if b.len() > MAX_LINE => None,
         Obj::Str(s) => Some(s.to_string()),
         Obj::Bytes(b) if b.is_ascii() => Some(String::from_utf8_lossy(b).into_owned()),
         _ => None,
@@ -344,11 +360,6 @@ fn resolve_global(module: &str, name: &str, offset: u64) -> Result<Global> {
         ("torch", "Tensor") | ("torch._tensor", "Tensor") => Global::TensorType,
         ("torch.nn.parameter", "Parameter") => Global::ParameterType,
         ("_codecs", "encode") => Global::CodecsEncode,
-        (
-            "torch" | "torch.cuda",
-            "DoubleTensor" | "FloatTensor" | "HalfTensor" | "BFloat16Tensor" | "LongTensor" | "IntTensor"
-            | "ShortTensor" | "CharTensor" | "ByteTensor" | "BoolTensor",
-        ) => Global::TensorClass,
         ("builtins", "bytearray") => Global::Bytearray,
         (m, n) if (m == "torch" || m.starts_with("torch.")) && n.contains("Storage") => {
             // torch.load maps any "...Storage" name to its dtype (torch.cuda.HalfStorage too).
@@ -449,6 +460,9 @@ struct Machine<'a, 'p> {
     persistent: &'p mut dyn Persistent,
     op_offset: u64,
     op: u8,
+    /// Bytes copied so far by calls and BUILD, and the most allowed.
+    copied: u64,
+    copy_limit: u64,
 }
 
 /// Runs the pickle starting at `data[start]` until its STOP.
@@ -464,6 +478,10 @@ pub(crate) fn parse(data: &[u8], start: usize, base: u64, persistent: &mut dyn P
         persistent,
         op_offset: 0,
         op: 0,
+        copied: 0,
+        copy_limit: (data.len().saturating_sub(start) as u64)
+            .saturating_mul(COPY_BUDGET_PER_BYTE)
+            .saturating_add(BUDGET_FLOOR),
     };
     let root = m.run()?;
     Ok(Pickle { heap: m.heap, root, end: m.pos })
@@ -476,6 +494,27 @@ impl<'a> Machine<'a, '_> {
 
     fn unsupported(&self, message: impl Into<String>) -> TorchIoError {
         TorchIoError::Unsupported { offset: self.op_offset, message: message.into() }
+    }
+
+    /// Charges `bytes` copied against the copy budget.
+    fn charge(&mut self, bytes: u64) -> Result<()> {
+        self.copied = self.copied.saturating_add(bytes);
+        if self.copied > self.copy_limit {
+            return Err(TorchIoError::TooLarge {
+                what: format!(
+                    "objects copied by the pickle's calls (offset {}, opcode {})",
+                    self.op_offset,
+                    opname(self.op)
+                ),
+                limit: self.copy_limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Charges copying `n` objects.
+    fn charge_objs(&mut self, n: usize) -> Result<()> {
+        self.charge((n as u64).saturating_mul(std::mem::size_of::<Obj>() as u64))
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
@@ -824,7 +863,8 @@ impl<'a> Machine<'a, '_> {
                     let args = self.pop()?;
                     let cls = self.pop()?;
                     let g = self.global_of(&cls);
-                    let empty = matches!(self.tuple_items(&args), Some(a) if a.is_empty());
+                    let empty =
+                        matches!(&args, Obj::Ref(i) if matches!(self.heap.get(*i), HeapObj::Tuple(a) if a.is_empty()));
                     if g == Some(Global::OrderedDict) && empty {
                         self.push_heap(HeapObj::Dict { ordered: true, items: Vec::new(), attrs: Vec::new() });
                     } else {
@@ -864,14 +904,23 @@ impl<'a> Machine<'a, '_> {
         }
     }
 
-    fn tuple_items(&self, o: &Obj) -> Option<Vec<Obj>> {
-        match o {
+    /// The items of a tuple, copied (and charged).
+    fn tuple_items(&mut self, o: &Obj) -> Result<Option<Vec<Obj>>> {
+        let n = match o {
+            Obj::Ref(i) => match self.heap.get(*i) {
+                HeapObj::Tuple(t) => t.len(),
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        self.charge_objs(n)?;
+        Ok(match o {
             Obj::Ref(i) => match self.heap.get(*i) {
                 HeapObj::Tuple(t) => Some(t.clone()),
                 _ => None,
             },
             _ => None,
-        }
+        })
     }
 
     fn extend_list(&mut self, items: Vec<Obj>) -> Result<()> {
@@ -912,7 +961,7 @@ impl<'a> Machine<'a, '_> {
         // state: None, a dict of attributes, or (dict, slot dict).
         let mut new_attrs = Vec::new();
         let mut parts = vec![state];
-        if let Some(t) = self.tuple_items(&parts[0]) {
+        if let Some(t) = self.tuple_items(&parts[0])? {
             if t.len() == 2 {
                 parts = t;
             }
@@ -922,6 +971,11 @@ impl<'a> Machine<'a, '_> {
                 Obj::None => {}
                 Obj::Ref(j) => match self.heap.get(j) {
                     HeapObj::Dict { items, .. } => {
+                        let n = items.len();
+                        self.charge_objs(2 * n)?;
+                        let HeapObj::Dict { items, .. } = self.heap.get(j) else {
+                            return Err(self.unsupported("BUILD state that is not a dict"));
+                        };
                         for (k, v) in items {
                             if !matches!(k, Obj::Str(_)) {
                                 return Err(self.unsupported("BUILD state with a non-str attribute name"));
@@ -960,11 +1014,56 @@ impl<'a> Machine<'a, '_> {
             .collect()
     }
 
+    /// Calls an allowed global. `_rebuild_from_type_v2(func, type, args, state)` calls `func`
+    /// on `args`, which may be that function again: unrolled here, at most [`MAX_DEPTH`] deep.
     fn call(&mut self, func: &Obj, args: &Obj) -> Result<Obj> {
-        let Some(g) = self.global_of(func) else {
-            return Err(self.unsupported("REDUCE on something that is not an allowed global"));
-        };
-        let Some(args) = self.tuple_items(args) else {
+        let (mut func, mut args) = (func.clone(), args.clone());
+        let mut depth = 0;
+        loop {
+            let Some(g) = self.global_of(&func) else {
+                return Err(self.unsupported("REDUCE on something that is not an allowed global"));
+            };
+            if g != Global::RebuildFromTypeV2 {
+                return self.call_once(g, &args);
+            }
+            if depth >= MAX_DEPTH {
+                return Err(TorchIoError::TooDeep {
+                    what: "nested _rebuild_from_type_v2 calls",
+                    path: format!("offset {}", self.op_offset),
+                    limit: MAX_DEPTH as u64,
+                });
+            }
+            // (func, new_type, args, state): a plain Tensor or Parameter rebuilt by func; the
+            // state (attributes of a tensor subclass) is dropped.
+            let bad = || format!("{} called with unexpected arguments", g.describe());
+            let (inner_func, new_type, inner_args) = match &args {
+                Obj::Ref(i) => match self.heap.get(*i) {
+                    HeapObj::Tuple(t) if t.len() == 4 => (t[0].clone(), t[1].clone(), t[2].clone()),
+                    HeapObj::Tuple(_) => return Err(self.unsupported(bad())),
+                    _ => {
+                        return Err(
+                            self.unsupported(format!("REDUCE of {} with arguments that are not a tuple", g.describe()))
+                        )
+                    }
+                },
+                _ => {
+                    return Err(
+                        self.unsupported(format!("REDUCE of {} with arguments that are not a tuple", g.describe()))
+                    )
+                }
+            };
+            match self.global_of(&new_type) {
+                Some(Global::TensorType | Global::ParameterType) => {}
+                _ => return Err(self.unsupported("tensor subclass (only torch.Tensor and Parameter are read)")),
+            }
+            func = inner_func;
+            args = inner_args;
+            depth += 1;
+        }
+    }
+
+    fn call_once(&mut self, g: Global, args: &Obj) -> Result<Obj> {
+        let Some(args) = self.tuple_items(args)? else {
             return Err(self.unsupported(format!("REDUCE of {} with arguments that are not a tuple", g.describe())));
         };
         let bad_args = |m: &Self| m.unsupported(format!("{} called with unexpected arguments", g.describe()));
@@ -972,34 +1071,51 @@ impl<'a> Machine<'a, '_> {
             Global::OrderedDict => {
                 let items = match args.as_slice() {
                     [] => Vec::new(),
-                    [Obj::Ref(i)] => match self.heap.get(*i) {
-                        HeapObj::Dict { items, .. } => items.clone(),
-                        // Python 2's OrderedDict.__reduce__: a list of [key, value] pairs.
-                        HeapObj::List(l) | HeapObj::Tuple(l) => {
-                            let mut out = Vec::with_capacity(l.len());
-                            for p in l {
-                                match self.tuple_or_list(p) {
-                                    Some(kv) if kv.len() == 2 => out.push((kv[0].clone(), kv[1].clone())),
-                                    _ => return Err(bad_args(self)),
+                    [Obj::Ref(i)] => {
+                        let n = match self.heap.get(*i) {
+                            HeapObj::Dict { items, .. } => 2 * items.len(),
+                            HeapObj::List(l) | HeapObj::Tuple(l) => 2 * l.len(),
+                            _ => 0,
+                        };
+                        self.charge_objs(n)?;
+                        match self.heap.get(*i) {
+                            HeapObj::Dict { items, .. } => items.clone(),
+                            // Python 2's OrderedDict.__reduce__: a list of [key, value] pairs.
+                            HeapObj::List(l) | HeapObj::Tuple(l) => {
+                                let mut out = Vec::with_capacity(l.len());
+                                for p in l {
+                                    let kv = match p {
+                                        Obj::Ref(j) => match self.heap.get(*j) {
+                                            HeapObj::Tuple(kv) | HeapObj::List(kv) if kv.len() == 2 => kv,
+                                            _ => return Err(bad_args(self)),
+                                        },
+                                        _ => return Err(bad_args(self)),
+                                    };
+                                    out.push((kv[0].clone(), kv[1].clone()));
                                 }
+                                out
                             }
-                            out
+                            _ => return Err(bad_args(self)),
                         }
-                        _ => return Err(bad_args(self)),
-                    },
+                    }
                     _ => return Err(bad_args(self)),
                 };
                 Ok(self.new_heap(HeapObj::Dict { ordered: true, items, attrs: Vec::new() }))
             }
             Global::TorchSize => match args.as_slice() {
                 [] => Ok(self.new_heap(HeapObj::Tuple(Vec::new()))),
-                [o] => match self.tuple_or_list(o) {
+                [o] => match self.tuple_or_list(o)? {
                     Some(t) => Ok(self.new_heap(HeapObj::Tuple(t))),
                     None => Err(bad_args(self)),
                 },
                 _ => Err(bad_args(self)),
             },
             Global::CodecsEncode | Global::Bytearray => {
+                match args.as_slice() {
+                    [Obj::Bytes(b)] => self.charge(b.len() as u64)?,
+                    [Obj::Str(s), _] => self.charge(s.len() as u64)?,
+                    _ => {}
+                }
                 let bytes = match args.as_slice() {
                     [] if g == Global::Bytearray => Vec::new(),
                     [Obj::Bytes(b)] if g == Global::Bytearray => b.to_vec(),
@@ -1075,35 +1191,31 @@ impl<'a> Machine<'a, '_> {
                 t.requires_grad = *rg;
                 Ok(self.new_heap(HeapObj::Tensor(t)))
             }
-            Global::RebuildFromTypeV2 => {
-                // (func, new_type, args, state): a plain Tensor or Parameter rebuilt by func;
-                // the state (attributes of a tensor subclass) is dropped.
-                if args.len() != 4 {
-                    return Err(bad_args(self));
-                }
-                match self.global_of(&args[1]) {
-                    Some(Global::TensorType | Global::ParameterType) => {}
-                    _ => return Err(self.unsupported("tensor subclass (only torch.Tensor and Parameter are read)")),
-                }
-                let func = args[0].clone();
-                self.call(&func, &args[2])
-            }
             Global::TensorType
             | Global::ParameterType
-            | Global::TensorClass
             | Global::StorageType(_)
+            | Global::RebuildFromTypeV2
             | Global::Dtype(_) => Err(self.unsupported(format!("call of {}", g.describe()))),
         }
     }
 
-    fn tuple_or_list(&self, o: &Obj) -> Option<Vec<Obj>> {
-        match o {
+    /// The items of a tuple or list, copied (and charged).
+    fn tuple_or_list(&mut self, o: &Obj) -> Result<Option<Vec<Obj>>> {
+        let n = match o {
+            Obj::Ref(i) => match self.heap.get(*i) {
+                HeapObj::Tuple(t) | HeapObj::List(t) => t.len(),
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        self.charge_objs(n)?;
+        Ok(match o {
             Obj::Ref(i) => match self.heap.get(*i) {
                 HeapObj::Tuple(t) | HeapObj::List(t) => Some(t.clone()),
                 _ => None,
             },
             _ => None,
-        }
+        })
     }
 
     fn new_heap(&mut self, o: HeapObj) -> Obj {
@@ -1129,7 +1241,12 @@ impl<'a> Machine<'a, '_> {
         let window_numel = if kind == storage_kind {
             storage.numel
         } else {
-            let bytes = storage.numel * elem_size(storage_kind);
+            let Some(bytes) = storage.numel.checked_mul(elem_size(storage_kind)) else {
+                return Err(TorchIoError::StorageMismatch {
+                    key: storage.key.to_string(),
+                    message: format!("{} elements of {storage_kind:?} overflow a byte count", storage.numel),
+                });
+            };
             if storage.offset != 0 || bytes % elem_size(kind) != 0 {
                 return Err(self.unsupported(format!("a {kind:?} tensor on a storage of {bytes} bytes")));
             }
@@ -1147,39 +1264,17 @@ impl<'a> Machine<'a, '_> {
                 storage_numel: window_numel,
             });
         }
-        let storage_offset = offset + storage.offset as i64;
+        let storage_offset = root_offset(offset, &storage, self.op_offset)?;
         let spec = TensorSpec { storage, kind, storage_offset, size, stride, requires_grad };
         Ok(self.new_heap(HeapObj::Tensor(spec)))
     }
 }
 
-/// Checks a tensor view against its storage window (same dtype) and makes its spec.
-pub(crate) fn checked_spec(
-    storage: StorageView,
-    offset: i64,
-    size: Vec<i64>,
-    stride: Vec<i64>,
-    at: u64,
-) -> Result<TensorSpec> {
-    let needed = needed_elements(&size, &stride, offset);
-    if needed.map_or(true, |n| n > storage.numel) {
-        return Err(TorchIoError::StorageOutOfBounds {
-            offset: at,
-            key: storage.key.to_string(),
-            size,
-            stride,
-            storage_offset: offset,
-            needed: needed.unwrap_or(0),
-            storage_numel: storage.numel,
-        });
-    }
-    Ok(TensorSpec {
-        kind: storage.kind,
-        storage_offset: offset + storage.offset as i64,
-        storage,
-        size,
-        stride,
-        requires_grad: false,
+/// A view's offset counted from its root storage's start.
+fn root_offset(offset: i64, storage: &StorageView, at: u64) -> Result<i64> {
+    i64::try_from(storage.offset).ok().and_then(|o| o.checked_add(offset)).ok_or_else(|| TorchIoError::Unsupported {
+        offset: at,
+        message: format!("storage offset {offset} + {} overflows", storage.offset),
     })
 }
 

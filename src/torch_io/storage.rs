@@ -17,12 +17,15 @@ pub(crate) trait StorageSource {
     fn big_endian(&self) -> bool;
 }
 
-/// Builds tensors from specs, one shared base tensor per (storage, dtype).
+/// Builds tensors from specs, one base tensor per storage, read once; a tensor of another
+/// dtype on the same storage views the base's memory (`view_dtype`), it does not copy it.
 pub(crate) struct Materializer<'s> {
     decls: &'s [StorageDecl],
     source: &'s mut dyn StorageSource,
     map_location: Option<Device>,
     bases: HashMap<(usize, i32), Tensor>,
+    /// The first base built of each storage.
+    first: HashMap<usize, Tensor>,
 }
 
 fn kind_id(k: Kind) -> i32 {
@@ -81,7 +84,7 @@ impl<'s> Materializer<'s> {
         source: &'s mut dyn StorageSource,
         map_location: Option<Device>,
     ) -> Self {
-        Self { decls, source, map_location, bases: HashMap::new() }
+        Self { decls, source, map_location, bases: HashMap::new(), first: HashMap::new() }
     }
 
     fn base(&mut self, decl_idx: usize, kind: Kind) -> Result<Tensor> {
@@ -89,6 +92,27 @@ impl<'s> Materializer<'s> {
             return Ok(t.shallow_clone());
         }
         let decl = &self.decls[decl_idx];
+        if let Some(first) = self.first.get(&decl_idx) {
+            // The storage is already read: view its bytes as `kind` (the spec's checks made
+            // sure they hold whole elements).
+            let ctx = || format!("viewing storage {:?} as {kind:?}", decl.key);
+            let bytes = first.f_view_dtype(Kind::Uint8).map_err(torch_err(ctx()))?;
+            if kind == Kind::Bool {
+                let bad = bytes.f_gt(1).and_then(|b| b.f_nonzero()).map_err(torch_err(ctx()))?;
+                if bad.size().first().is_some_and(|&n| n > 0) {
+                    let index = bad.f_int64_value(&[0, 0]).map_err(torch_err(ctx()))?;
+                    let byte = bytes.f_int64_value(&[index]).map_err(torch_err(ctx()))?;
+                    return Err(TorchIoError::InvalidBool {
+                        key: decl.key.clone(),
+                        index: index as u64,
+                        byte: byte as u8,
+                    });
+                }
+            }
+            let t = if kind == Kind::Uint8 { bytes } else { bytes.f_view_dtype(kind).map_err(torch_err(ctx()))? };
+            self.bases.insert((decl_idx, kind_id(kind)), t.shallow_clone());
+            return Ok(t);
+        }
         let device = match self.map_location {
             Some(d) => d,
             None => parse_location(&decl.key, &decl.location)?,
@@ -124,6 +148,7 @@ impl<'s> Materializer<'s> {
             cpu.f_to_device(device).map_err(torch_err(format!("moving storage {:?} to {device:?}", decl.key)))?
         };
         self.bases.insert((decl_idx, kind_id(kind)), t.shallow_clone());
+        self.first.insert(decl_idx, t.shallow_clone());
         Ok(t)
     }
 

@@ -276,7 +276,7 @@ fn training_state_rides_in_the_checkpoint() {
     use tch_amp::checkpoint::{read_training_state, save_checkpoint_with, TrainingState};
     let mut r = setup(OptLevel::O2, 1, 3, nn::Adam::default().into());
     let x = Tensor::randn([2, 3, 4, 4], (Kind::Float, Device::Cpu));
-    train_step(&mut r, &x, 0..1);
+    let _ = train_step(&mut r, &x, 0..1);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt.safetensors");
     let ema = Tensor::arange(6, (Kind::Float, Device::Cpu)) * 0.25;
@@ -301,4 +301,50 @@ fn training_state_rides_in_the_checkpoint() {
     save_checkpoint(&path, &r.vs, &[&r.opt], &r.amp).unwrap();
     let none = read_training_state(&path).unwrap();
     assert!(none.tensors.is_empty() && none.value.is_null());
+}
+
+/// State that would poison the next step, which the finite-value checks let through: refused
+/// by `OptimizerRecord::validate`, which every loader runs before applying anything.
+#[test]
+fn poisoned_optimizer_state_is_refused() {
+    let mut a = setup(OptLevel::O0, 1, 0, nn::Adam::default().into());
+    let x = Tensor::randn([4, 3, 8, 8], (Kind::Float, Device::Cpu));
+    let _ = train_step(&mut a, &x, 0..1);
+    let snap = snapshot(&a);
+    let poisoned = |opt: &AmpOptimizer, edit: &dyn Fn(&mut tch_amp::optim::OptimizerRecord)| {
+        let mut r = opt.to_record();
+        edit(&mut r);
+        r
+    };
+    // A negative second moment: sqrt(-1) is NaN at the next step.
+    let r = poisoned(&a.opt, &|r| {
+        let p = &mut r.params[0];
+        let v = p.buffers["exp_avg_sq"].full_like(-1.0);
+        p.buffers.insert("exp_avg_sq".into(), v);
+    });
+    let name = r.params[0].name.clone();
+    let err = r.validate().unwrap_err();
+    assert!(matches!(&err, AmpError::PoisonedState { param, .. } if *param == format!("{name} exp_avg_sq")), "{err}");
+    let err = a.opt.load_record(r).unwrap_err();
+    assert!(matches!(err, AmpError::PoisonedState { .. }), "{err}");
+    // Hyper-parameters finite in f64, inf or 0 in fp32.
+    for (key, v) in [("lr", 1e308), ("eps", 5e-324)] {
+        let r = poisoned(&a.opt, &|r| {
+            for g in &mut r.groups {
+                if key == "lr" {
+                    g.lr = v;
+                } else {
+                    g.hyper_parameters.insert(key.into(), v);
+                }
+            }
+        });
+        let err = a.opt.load_record(r).unwrap_err();
+        assert!(
+            matches!(&err, AmpError::PoisonedState { param, .. } if *param == format!("group 0 {key}")),
+            "{key}: {err}"
+        );
+    }
+    assert_identical(&snap, &snapshot(&a), "poisoned loads");
+    // The record as saved loads.
+    a.opt.load_record(a.opt.to_record()).unwrap();
 }

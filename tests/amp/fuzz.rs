@@ -544,7 +544,8 @@ fn fuzz_checkpoint_loader() {
                 prop_assert!(json_eq(&want_m, &got_m), "{m:?}: metadata {want_m} loaded as {got_m}");
                 t.step(7);
             }
-            Err(AmpError::StateMismatch { .. } | AmpError::Io { .. }) => {
+            // PoisonedState: a mutated second moment below zero, refused before anything applies.
+            Err(AmpError::StateMismatch { .. } | AmpError::Io { .. } | AmpError::PoisonedState { .. }) => {
                 rejected.set(rejected.get() + 1);
                 prop_assert!(same_snapshot(&ckpt_snapshot(t), &before), "{m:?}: a failed load changed the state");
             }

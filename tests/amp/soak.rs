@@ -8,9 +8,16 @@
 //! overflow diagnostics name exactly the injected parameter with one inf or one NaN.
 //!
 //! The floor is `min_loss_scale = 1` (DeepSpeed's default minimum): 100 overflows take Apex's
-//! scale from 2^16 to it after 16 injections, and the model keeps learning there (at tch-amp's
-//! default floor 2^-24 the scaled gradients underflow, which `collapse_limit` reports: see
-//! reliability.rs).
+//! scale from 2^16 to it after 16 injections, and the model keeps learning there.
+//!
+//! Under tch-amp's defaults (floor 2^-24, growth interval 2000) this run does not survive: an
+//! overflow every 20 steps on average halves the scale 40 times before 2,000 clean passes in a
+//! row could double it once, the scale reaches the floor, the scaled gradients underflow to
+//! exactly zero there, and after `collapse_limit` (20) such passes `step()` returns
+//! `AmpError::GradientsVanished` (see reliability.rs). `min_loss_scale` (a floor the gradients
+//! survive, 1 here) or `recovery_growth_interval(n)` (after a storm, double every `n` clean
+//! passes until the scale is back where it was) keep such a run training; `collapse_limit(0)`
+//! only silences the error.
 use std::collections::BTreeMap;
 use std::time::Instant;
 

@@ -162,6 +162,7 @@ impl AmpOptimizer {
 
     /// Checks `record` against this optimizer and stages its values on the parameters' device.
     pub(crate) fn stage_record(&self, record: OptimizerRecord) -> Result<StagedRecord> {
+        record.validate()?;
         self.check_identity(&record)?;
         let names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
         if names != self.param_names() {
@@ -252,6 +253,7 @@ impl AmpOptimizer {
     /// the record this optimizer lacks are ignored (`unexpected`) and those it has that the
     /// record lacks keep their state (`missing`).
     pub(crate) fn stage_state_only(&self, record: OptimizerRecord, strict: bool) -> Result<StagedPartial> {
+        record.validate()?;
         self.check_identity(&record)?;
         let names = self.param_names();
         let rec_names: Vec<String> = record.params.iter().map(|p| p.name.clone()).collect();
