@@ -61,7 +61,8 @@
 //!   `param_groups`), [`UpdateRule`] (a user's own optimizer), [`ScaleLossOptions`],
 //!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
 //!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
-//!   [`CpuKernels`], [`AmpError`], [`Result`].
+//!   [`CpuKernels`], [`AmpError`], [`Result`]; PyTorch's own mixed precision: [`GradScaler`],
+//!   [`autocast`] / [`AutocastScope`].
 //! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
 //!   [`config::ParseOptLevelError`].
 //! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
@@ -85,8 +86,13 @@
 //!   checkpoints ([`torch_checkpoint::TorchLoadOptions`], torch.optim's state dict as an
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
+//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: autocast's options
+//!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
+//!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
+//!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
 //! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
-//!   [`distributed`] have their own error types, which wrap [`AmpError`] where they need to.
+//!   [`distributed`] and [`torch_amp`] have their own error types, which wrap [`AmpError`] where
+//!   they need to.
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
 //!
@@ -122,6 +128,7 @@ pub mod scaling;
 mod sys;
 pub mod torch_checkpoint;
 pub mod torch_io;
+pub mod torch_amp;
 
 pub use amp::{initialize, Amp};
 pub use cast::cpu::CpuKernels;
@@ -140,6 +147,8 @@ pub use optim::groups::ParamGroup;
 pub use optim::rule::UpdateRule;
 pub use optim::rules::OptimizerConfig;
 pub use scaling::scale_loss::ScaleLossOptions;
+pub use torch_amp::autocast::{autocast, AutocastScope};
+pub use torch_amp::grad_scaler::GradScaler;
 pub use torch_checkpoint::file::{load_torch_checkpoint, save_torch_checkpoint};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.

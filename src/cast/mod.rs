@@ -55,6 +55,7 @@ pub(crate) mod policy;
 pub(crate) mod settings;
 
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
+pub(crate) use autocast::count_torch_autocast;
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
 pub(crate) use cpu::CpuKernels;
