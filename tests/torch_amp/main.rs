@@ -6,5 +6,6 @@ mod common;
 
 mod autocast;
 mod grad_scaler;
+mod lightning;
 mod recipes;
 mod support;
