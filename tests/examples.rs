@@ -706,3 +706,14 @@ fn imagenet_fused_sgd_trains_as_sgd() {
         assert_eq!(a["loss"], b["loss"], "fused-sgd diverged from sgd:\n{a}\n{b}");
     }
 }
+
+#[test]
+fn torch_amp_runs_the_typical_loop_with_a_grad_scaler() {
+    let data = synthetic_data();
+    let out = run_ok(
+        "torch_amp",
+        &["--data", s(data.path()), "--precision", "16-mixed", "--train-size", "128", "--test-size", "64", "-b", "32", "--width", "4"],
+    );
+    assert!(out.contains("grad_scaler: true") && out.contains("test accuracy"), "{out}");
+    assert!(out.contains("4 steps"), "{out}");
+}
