@@ -126,9 +126,9 @@ pub mod optim;
 pub mod scaling;
 #[allow(unsafe_code)]
 mod sys;
+pub mod torch_amp;
 pub mod torch_checkpoint;
 pub mod torch_io;
-pub mod torch_amp;
 
 pub use amp::{initialize, Amp};
 pub use cast::cpu::CpuKernels;

@@ -712,7 +712,20 @@ fn torch_amp_runs_the_typical_loop_with_a_grad_scaler() {
     let data = synthetic_data();
     let out = run_ok(
         "torch_amp",
-        &["--data", s(data.path()), "--precision", "16-mixed", "--train-size", "128", "--test-size", "64", "-b", "32", "--width", "4"],
+        &[
+            "--data",
+            s(data.path()),
+            "--precision",
+            "16-mixed",
+            "--train-size",
+            "128",
+            "--test-size",
+            "64",
+            "-b",
+            "32",
+            "--width",
+            "4",
+        ],
     );
     assert!(out.contains("grad_scaler: true") && out.contains("test accuracy"), "{out}");
     assert!(out.contains("4 steps"), "{out}");

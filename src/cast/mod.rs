@@ -54,8 +54,8 @@ mod error;
 pub(crate) mod policy;
 pub(crate) mod settings;
 
-pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use autocast::count_torch_autocast;
+pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
 pub(crate) use cpu::CpuKernels;

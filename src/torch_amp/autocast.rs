@@ -27,6 +27,13 @@ use crate::sys;
 /// # Ok(())
 /// # }
 /// ```
+///
+/// # CPU kernels
+/// Autocast always runs libtorch's own fp16/bf16 kernels, so forward and backward are
+/// torch.autocast's bit for bit. [`crate::CpuKernels`] (the Apex path's fp32 emulation) does
+/// not apply: on a CPU without fast units for the type (bf16: AVX512_BF16 or AMX; see
+/// [`crate::cast::CpuFeatures::native_is_fast`]) libtorch's fp16/bf16 GEMMs and convolutions
+/// are many times slower than fp32, as they are under torch.autocast there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Autocast {
     device: Device,

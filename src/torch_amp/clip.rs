@@ -2,7 +2,10 @@
 //! "unscale_ then clip" recipe with any optimizer's parameters.
 use tch::{Kind, Tensor};
 
-use super::error::{Result, TorchAmpError};
+use super::error::Result;
+#[cfg(doc)]
+use super::error::TorchAmpError;
+use crate::optim::check_clip_args;
 use crate::sys;
 
 /// torch's `clip_grad_norm_(params, max_norm, norm_type)`: the total `norm_type`-norm of the
@@ -18,23 +21,10 @@ use crate::sys;
 /// Norms are computed in fp32 (torch computes an fp16/bf16 gradient's norm in its own dtype).
 ///
 /// # Errors
-/// [`TorchAmpError::InvalidOption`] for a `max_norm` that is negative or NaN, or a `norm_type`
-/// that is not positive.
+/// [`crate::AmpError::InvalidOption`] (as [`TorchAmpError::Amp`]) for a `max_norm` that is not
+/// finite and >= 0, or a `norm_type` that is not positive.
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Tensor> {
-    if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(TorchAmpError::InvalidOption {
-            option: "max_norm",
-            value: max_norm.to_string(),
-            expected: "a number >= 0",
-        });
-    }
-    if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(TorchAmpError::InvalidOption {
-            option: "norm_type",
-            value: norm_type.to_string(),
-            expected: "a number > 0 (or f64::INFINITY)",
-        });
-    }
+    check_clip_args(max_norm, norm_type)?;
     let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
     if grads.is_empty() {
         return Ok(Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?);

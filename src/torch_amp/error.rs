@@ -53,7 +53,9 @@ pub enum TorchAmpError {
     StepTwice,
     /// `update` with no optimizer unscaled or stepped since the last update (torch: "No inf
     /// checks were recorded prior to update.").
-    #[error("No inf checks were recorded prior to update(): call scaler.step(optimizer) (or unscale_) before update()")]
+    #[error(
+        "No inf checks were recorded prior to update(): call scaler.step(optimizer) (or unscale_) before update()"
+    )]
     NoInfChecks,
     /// `step` for an optimizer none of whose parameters has a gradient (torch: "No inf checks
     /// were recorded for this optimizer.").

@@ -348,8 +348,10 @@ impl GradScaler {
                 let found = Tensor::f_full(SCALAR, 0.0, (Kind::Float, *device))?;
                 per_device.push((*device, found, inv_scale.f_to_device(*device)?));
             }
-            let (_, found, inv) =
-                per_device.iter().find(|(d, _, _)| d == device).ok_or(TorchAmpError::UnsupportedDevice { device: *device })?;
+            let (_, found, inv) = per_device
+                .iter()
+                .find(|(d, _, _)| d == device)
+                .ok_or(TorchAmpError::UnsupportedDevice { device: *device })?;
             let _no_grad = tch::no_grad_guard();
             sys::unscale_(grads, found, inv)?;
         }

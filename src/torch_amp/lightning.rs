@@ -112,10 +112,9 @@ impl Precision {
                 Ok(Precision::Apex { opt_level })
             }
             "16" => Ok(Precision::Mixed { dtype: Kind::Half, grad_scaler: true }),
-            "bf16" if apex => Err(refuse(
-                precision,
-                "bf16 is not supported with amp_backend=\"apex\"; use amp_backend=\"native\"",
-            )),
+            "bf16" if apex => {
+                Err(refuse(precision, "bf16 is not supported with amp_backend=\"apex\"; use amp_backend=\"native\""))
+            }
             "bf16" => Ok(Precision::Mixed { dtype: Kind::BFloat16, grad_scaler: false }),
             "32" => Ok(Precision::Fp32),
             "64" => Ok(Precision::True { dtype: Kind::Double }),

@@ -46,9 +46,8 @@ fn defaults_nesting_and_restoring() {
     }
     assert_eq!(mm_kind(), Kind::Float);
     // Other threads are untouched.
-    tch_amp::autocast(Device::Cpu, || std::thread::spawn(mm_kind).join().unwrap())
-        .map(|k| assert_eq!(k, Kind::Float))
-        .unwrap();
+    let other = tch_amp::autocast(Device::Cpu, || std::thread::spawn(mm_kind).join().unwrap()).unwrap();
+    assert_eq!(other, Kind::Float);
 }
 
 #[test]

@@ -242,7 +242,10 @@ fn bad_state_dicts_are_refused_and_change_nothing() {
     assert_eq!((s.get_scale(), s.growth_tracker(), s.get_growth_interval()), (8.0, 4, 10));
     let Value::Dict(d) = s.state_dict() else { panic!() };
     let keys: Vec<String> = d.keys().map(|k| k.to_string()).collect();
-    assert_eq!(keys, ["\"scale\"", "\"growth_factor\"", "\"backoff_factor\"", "\"growth_interval\"", "\"_growth_tracker\""]);
+    assert_eq!(
+        keys,
+        ["\"scale\"", "\"growth_factor\"", "\"backoff_factor\"", "\"growth_interval\"", "\"_growth_tracker\""]
+    );
 }
 
 #[test]

@@ -30,7 +30,10 @@ fn lightning_2_flags() {
 
 #[test]
 fn lightning_1_flags() {
-    assert_eq!(Precision::parse_v1("16", "native", None).unwrap(), Precision::Mixed { dtype: Kind::Half, grad_scaler: true });
+    assert_eq!(
+        Precision::parse_v1("16", "native", None).unwrap(),
+        Precision::Mixed { dtype: Kind::Half, grad_scaler: true }
+    );
     assert_eq!(Precision::parse_v1("16", "apex", None).unwrap(), Precision::Apex { opt_level: OptLevel::O2 });
     assert_eq!(Precision::parse_v1("16", "apex", Some("O1")).unwrap(), Precision::Apex { opt_level: OptLevel::O1 });
     assert_eq!(Precision::parse_v1("32", "apex", Some("O1")).unwrap(), Precision::Fp32);

@@ -22,8 +22,11 @@ fn dtype(arg: &str) -> Kind {
 /// fp16 starts at 2^20 so that the first steps overflow in the fp16 backward and back off.
 fn scaler_for(arg: &str, growth_interval: i64) -> GradScaler {
     let init = if arg == "fp16" { 1048576.0 } else { 65536.0 };
-    GradScaler::with_options(Device::Cpu, GradScalerOptions::default().init_scale(init).growth_interval(growth_interval))
-        .unwrap()
+    GradScaler::with_options(
+        Device::Cpu,
+        GradScalerOptions::default().init_scale(init).growth_interval(growth_interval),
+    )
+    .unwrap()
 }
 
 const TYPICAL: &str = r#"
@@ -173,7 +176,8 @@ fn gradient_accumulation_matches_torch() {
     let mut rows = Rows::default();
     for i in 0..12 {
         let (x, y) = batch(i, 4);
-        let loss = tch_amp::autocast(Device::Cpu, || model.forward(&x).mse_loss(&y, tch::Reduction::Mean) / 3.0).unwrap();
+        let loss =
+            tch_amp::autocast(Device::Cpu, || model.forward(&x).mse_loss(&y, tch::Reduction::Mean) / 3.0).unwrap();
         scaler.scale(&loss).unwrap().backward();
         if (i + 1) % 3 == 0 {
             scaler.step(&mut opt).unwrap();
@@ -293,10 +297,8 @@ fn fp32_region_inside_autocast_matches_torch() {
         opt.zero_grad();
         let (h, out, loss) = tch_amp::autocast(Device::Cpu, || {
             let h = model.fc1.forward(&x).relu();
-            let out = Autocast::new(Device::Cpu)
-                .enabled(false)
-                .run(|| model.fc2.forward(&h.to_kind(Kind::Float)))
-                .unwrap();
+            let out =
+                Autocast::new(Device::Cpu).enabled(false).run(|| model.fc2.forward(&h.to_kind(Kind::Float))).unwrap();
             let loss = out.mse_loss(&y, tch::Reduction::Mean);
             (h, out, loss)
         })

@@ -85,7 +85,11 @@ impl Rows {
             assert_eq!(want.size()[0], rows.len() as i64, "{key}: step count");
             for (step, got) in rows.iter().enumerate() {
                 let w = want.get(step as i64);
-                let g = if got.kind() != w.kind() && key.starts_with("stepped") { got.to_kind(w.kind()) } else { got.shallow_clone() };
+                let g = if got.kind() != w.kind() && key.starts_with("stepped") {
+                    got.to_kind(w.kind())
+                } else {
+                    got.shallow_clone()
+                };
                 if !bits_equal(&g, &w) {
                     bad.push(format!("{key} step {step}: {}", describe_diff(&g, &w)));
                 }
