@@ -15,12 +15,13 @@ use crate::sys;
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
 /// use tch_amp::torch_amp::Autocast;
 /// let vs = nn::VarStore::new(Device::Cpu);
-/// let linear = nn::linear(vs.root(), 4, 2, Default::default());
+/// let linear = nn::linear(vs.root() / "linear", 4, 2, Default::default());
+/// let head = nn::linear(vs.root() / "head", 2, 2, Default::default());
 /// let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
 /// let y = Autocast::new(Device::Cpu).run(|| {
 ///     let y = linear.forward(&x); // bf16: linear is on libtorch's CPU low-precision list
 ///     // A region that must run in fp32 (torch's custom_fwd(cast_inputs=torch.float32)):
-///     let z = Autocast::new(Device::Cpu).enabled(false).run(|| linear.forward(&y.to_kind(Kind::Float)));
+///     let z = Autocast::new(Device::Cpu).enabled(false).run(|| head.forward(&y.to_kind(Kind::Float)));
 ///     (y, z)
 /// })?;
 /// assert_eq!((y.0.kind(), y.1?.kind()), (Kind::BFloat16, Kind::Float));
