@@ -387,6 +387,14 @@ pub enum AmpError {
         /// What is wrong.
         message: String,
     },
+    /// A tch-amp cast policy (Apex's O1, or the CPU emulation of O2/O3) was activated on a
+    /// thread where a torch.amp autocast scope ([`crate::AutocastScope`]) is alive. Both drive
+    /// libtorch's autocast state; only one may be active on a thread at a time.
+    #[error(
+        "the Apex path's cast policy cannot start while torch.amp autocast is active on this thread: drop the \
+         AutocastScope first, or run them on different threads"
+    )]
+    TorchAutocastActive,
     /// Model and master parameter lists of `fp16_utils` that do not belong together.
     #[error("fp16_utils: {message}")]
     ParamListMismatch {

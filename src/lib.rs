@@ -61,7 +61,8 @@
 //!   `param_groups`), [`UpdateRule`] (a user's own optimizer), [`ScaleLossOptions`],
 //!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
 //!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
-//!   [`CpuKernels`], [`AmpError`], [`Result`].
+//!   [`CpuKernels`], [`AmpError`], [`Result`]; PyTorch's own mixed precision: [`GradScaler`],
+//!   [`autocast`] / [`AutocastScope`].
 //! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
 //!   [`config::ParseOptLevelError`].
 //! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
@@ -86,8 +87,13 @@
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
 //! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
+//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: autocast's options
+//!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
+//!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
+//!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
 //! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
-//!   [`distributed`] have their own error types, which wrap [`AmpError`] where they need to.
+//!   [`distributed`] and [`torch_amp`] have their own error types, which wrap [`AmpError`] where
+//!   they need to.
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
 //!
@@ -122,6 +128,7 @@ pub mod optim;
 pub mod scaling;
 #[allow(unsafe_code)]
 mod sys;
+pub mod torch_amp;
 pub mod torch_checkpoint;
 pub mod torch_io;
 
@@ -142,6 +149,8 @@ pub use optim::groups::ParamGroup;
 pub use optim::rule::UpdateRule;
 pub use optim::rules::OptimizerConfig;
 pub use scaling::scale_loss::ScaleLossOptions;
+pub use torch_amp::autocast::{autocast, AutocastScope};
+pub use torch_amp::grad_scaler::GradScaler;
 pub use torch_checkpoint::file::{load_torch_checkpoint, save_torch_checkpoint};
 
 /// The README's Rust blocks, compiled and run as doc tests so the quick start stays true.

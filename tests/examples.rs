@@ -747,3 +747,27 @@ fn log_diff_names_the_first_divergence() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad.jsonl:1: not JSON"));
 }
+
+#[test]
+fn torch_amp_runs_the_typical_loop_with_a_grad_scaler() {
+    let data = synthetic_data();
+    let out = run_ok(
+        "torch_amp",
+        &[
+            "--data",
+            s(data.path()),
+            "--precision",
+            "16-mixed",
+            "--train-size",
+            "128",
+            "--test-size",
+            "64",
+            "-b",
+            "32",
+            "--width",
+            "4",
+        ],
+    );
+    assert!(out.contains("grad_scaler: true") && out.contains("test accuracy"), "{out}");
+    assert!(out.contains("4 steps"), "{out}");
+}

@@ -4,6 +4,7 @@
 //! closure panics. [`AutocastGuard`] sets autocast's enabled flag and low-precision dtype for
 //! one device type (CPU or CUDA) and restores both on drop, also while unwinding.
 //! Autocast state is per thread in libtorch, so the guard is neither `Send` nor `Sync`.
+use std::cell::Cell;
 use std::marker::PhantomData;
 
 use tch::{Device, Kind};
@@ -100,4 +101,20 @@ impl Drop for AutocastGuard {
 pub fn autocast<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> Result<T> {
     let _guard = AutocastGuard::new(device, true, dtype)?;
     Ok(f())
+}
+
+thread_local! {
+    /// How many torch.amp autocast scopes ([`crate::AutocastScope`]) are alive on this thread.
+    static TORCH_AUTOCAST_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether a torch.amp autocast scope is alive on this thread (then no tch-amp cast policy may
+/// be activated here).
+pub(crate) fn torch_autocast_active() -> bool {
+    TORCH_AUTOCAST_DEPTH.with(|d| d.get() > 0)
+}
+
+/// Counts a torch.amp autocast scope in (`entering`) or out on this thread.
+pub(crate) fn count_torch_autocast(entering: bool) {
+    TORCH_AUTOCAST_DEPTH.with(|d| d.set(if entering { d.get().saturating_add(1) } else { d.get().saturating_sub(1) }));
 }

@@ -134,8 +134,12 @@ impl PolicyHandle {
     ///
     /// # Errors
     /// [`AmpError::InvalidOption`] for a device other than CPU/CUDA; [`AmpError::Shim`] when
-    /// libtorch refuses.
+    /// libtorch refuses; [`AmpError::TorchAutocastActive`] while a torch.amp autocast scope
+    /// ([`crate::AutocastScope`]) is alive on this thread.
     pub fn activate(&self, device: Device) -> Result<ActivePolicyGuard> {
+        if super::autocast::torch_autocast_active() {
+            return Err(AmpError::TorchAutocastActive);
+        }
         let autocast = AutocastGuard::new(device, true, self.inner.settings.low_precision_dtype)?;
         let saved = engine::activate(Some(&self.inner.ptr))?;
         Ok(ActivePolicyGuard {

@@ -54,6 +54,7 @@ mod error;
 pub(crate) mod policy;
 pub(crate) mod settings;
 
+pub(crate) use autocast::count_torch_autocast;
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;

@@ -37,6 +37,21 @@ char* tch_amp_autocast_set(int device_type, int enabled, int dtype, int* prev_en
   })
 }
 
+// Reads autocast's weight-cast-cache flag (thread-local) into *prev and, when `set`, sets it to
+// `value` (torch.set_autocast_cache_enabled).
+char* tch_amp_autocast_cache_enabled(int set, int value, int* prev) {
+  TCH_AMP_PROTECT({
+    *prev = at::autocast::is_autocast_cache_enabled() ? 1 : 0;
+    if (set) at::autocast::set_autocast_cache_enabled(value != 0);
+  })
+}
+
+// Autocast's nesting counter (thread-local): +1 when delta > 0, else -1; the new count in *out
+// (torch.autocast_increment_nesting / autocast_decrement_nesting).
+char* tch_amp_autocast_nesting(int delta, int* out) {
+  TCH_AMP_PROTECT({ *out = delta > 0 ? at::autocast::increment_nesting() : at::autocast::decrement_nesting(); })
+}
+
 // libtorch's TF32 switches for CUDA matmuls and cuDNN convolutions.
 char* tch_amp_set_allow_tf32(int on) {
   TCH_AMP_PROTECT({

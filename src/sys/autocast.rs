@@ -16,6 +16,8 @@ extern "C" {
         prev_dtype: *mut c_int,
     ) -> *mut c_char;
     fn tch_amp_autocast_clear_cache() -> *mut c_char;
+    fn tch_amp_autocast_cache_enabled(set: c_int, value: c_int, prev: *mut c_int) -> *mut c_char;
+    fn tch_amp_autocast_nesting(delta: c_int, out: *mut c_int) -> *mut c_char;
     fn tch_amp_find_schema(name: *const c_char, overload: *const c_char) -> *mut c_char;
     fn tch_amp_set_allow_tf32(on: c_int) -> *mut c_char;
 }
@@ -52,6 +54,24 @@ pub(crate) fn autocast_set(device: Device, enabled: bool, dtype: Kind) -> Result
 pub(crate) fn autocast_clear_cache() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { tch_amp_autocast_clear_cache() }, "autocast_clear_cache")
+}
+
+/// Autocast's weight-cast-cache flag on this thread; set to `value` when given. Returns the
+/// flag as it was before.
+pub(crate) fn autocast_cache_enabled(value: Option<bool>) -> Result<bool> {
+    let mut prev = 0;
+    let (set, v) = (c_int::from(value.is_some()), c_int::from(value.unwrap_or(false)));
+    // SAFETY: a plain out-pointer to a local.
+    check(unsafe { tch_amp_autocast_cache_enabled(set, v, &mut prev) }, "autocast_cache_enabled")?;
+    Ok(prev != 0)
+}
+
+/// Autocast's nesting counter on this thread, incremented (`up`) or decremented; the new count.
+pub(crate) fn autocast_nesting(up: bool) -> Result<i64> {
+    let mut out = 0;
+    // SAFETY: a plain out-pointer to a local.
+    check(unsafe { tch_amp_autocast_nesting(if up { 1 } else { -1 }, &mut out) }, "autocast_nesting")?;
+    Ok(i64::from(out))
 }
 
 /// Checks that `aten::<name>` with `overload` ("" for the default) exists; libtorch's message

@@ -1,0 +1,167 @@
+//! torch.autocast: libtorch's own autocast (its cast lists, its weight-cast cache) for one
+//! device type, per thread, nestable, restored on drop and on panic.
+use std::marker::PhantomData;
+
+use tch::{Device, Kind};
+
+use super::error::{Result, TorchAmpError};
+use crate::cast::{autocast_state, count_torch_autocast, policy_active, AutocastState};
+use crate::sys;
+
+/// torch.autocast's arguments: `device_type`, `dtype`, `enabled`, `cache_enabled`.
+///
+/// ```
+/// # fn main() -> Result<(), tch_amp::torch_amp::TorchAmpError> {
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+/// use tch_amp::torch_amp::Autocast;
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let linear = nn::linear(vs.root() / "linear", 4, 2, Default::default());
+/// let head = nn::linear(vs.root() / "head", 2, 2, Default::default());
+/// let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
+/// let y = Autocast::new(Device::Cpu).run(|| {
+///     let y = linear.forward(&x); // bf16: linear is on libtorch's CPU low-precision list
+///     // A region that must run in fp32 (torch's custom_fwd(cast_inputs=torch.float32)):
+///     let z = Autocast::new(Device::Cpu).enabled(false).run(|| head.forward(&y.to_kind(Kind::Float)));
+///     (y, z)
+/// })?;
+/// assert_eq!((y.0.kind(), y.1?.kind()), (Kind::BFloat16, Kind::Float));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # CPU kernels
+/// Autocast always runs libtorch's own fp16/bf16 kernels, so forward and backward are
+/// torch.autocast's bit for bit. [`crate::CpuKernels`] (the Apex path's fp32 emulation) does
+/// not apply: on a CPU without fast units for the type (bf16: AVX512_BF16 or AMX; see
+/// [`crate::cast::CpuFeatures::native_is_fast`]) libtorch's fp16/bf16 GEMMs and convolutions
+/// are many times slower than fp32, as they are under torch.autocast there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Autocast {
+    device: Device,
+    dtype: Option<Kind>,
+    enabled: bool,
+    cache_enabled: Option<bool>,
+}
+
+impl Autocast {
+    /// Autocast for `device`'s type (CPU or CUDA; the index is ignored, as torch's
+    /// `device_type`), enabled, in the thread's current autocast dtype for that type (bf16 on
+    /// CPU and fp16 on CUDA unless an enclosing scope set another), the cache flag unchanged.
+    pub fn new(device: Device) -> Self {
+        Self { device, dtype: None, enabled: true, cache_enabled: None }
+    }
+
+    /// The low-precision dtype: `Kind::BFloat16` or `Kind::Half`.
+    pub fn dtype(mut self, dtype: Kind) -> Self {
+        self.dtype = Some(dtype);
+        self
+    }
+
+    /// `enabled=False` turns autocast off inside (a region that must run in fp32; cast its
+    /// inputs to fp32 yourself, as torch's `custom_fwd(cast_inputs=torch.float32)` does).
+    pub fn enabled(mut self, enabled: bool) -> Self {
+        self.enabled = enabled;
+        self
+    }
+
+    /// Whether libtorch caches the low-precision copies of leaf weights inside the scope
+    /// (torch's `cache_enabled`; the cache is emptied when the outermost scope ends).
+    pub fn cache_enabled(mut self, on: bool) -> Self {
+        self.cache_enabled = Some(on);
+        self
+    }
+
+    /// Enters the scope: torch's `__enter__`. The returned guard restores the previous state
+    /// (enabled flag, dtype, cache flag) when dropped, also during a panic.
+    ///
+    /// As torch, CUDA autocast on a machine without CUDA is entered disabled (with a `log`
+    /// warning).
+    ///
+    /// # Errors
+    /// [`TorchAmpError::AutocastConflict`] while a tch-amp cast policy (Apex's O1, or the CPU
+    /// emulation under O2/O3) is active on this thread; [`TorchAmpError::InvalidOption`] for a
+    /// dtype other than fp16/bf16 (torch warns and disables); [`TorchAmpError::UnsupportedDevice`]
+    /// for a device other than CPU/CUDA.
+    pub fn enter(&self) -> Result<AutocastScope> {
+        if !matches!(self.device, Device::Cpu | Device::Cuda(_)) {
+            return Err(TorchAmpError::UnsupportedDevice { device: self.device });
+        }
+        if policy_active()? {
+            return Err(TorchAmpError::AutocastConflict {
+                entering: "torch.amp autocast",
+                active: "tch-amp's Apex cast policy (O1, or the CPU emulation under O2/O3)",
+            });
+        }
+        let previous = autocast_state(self.device)?;
+        let dtype = self.dtype.unwrap_or(previous.dtype);
+        if !matches!(dtype, Kind::Half | Kind::BFloat16) {
+            return Err(TorchAmpError::InvalidOption {
+                option: "dtype",
+                value: format!("{dtype:?}"),
+                expected: "Kind::Half or Kind::BFloat16",
+            });
+        }
+        let mut enabled = self.enabled;
+        if enabled && matches!(self.device, Device::Cuda(_)) && !tch::Cuda::is_available() {
+            log::warn!("autocast: device type CUDA was given, but CUDA is not available. Disabling.");
+            enabled = false;
+        }
+        sys::autocast_set(self.device, enabled, dtype)?;
+        let previous_cache = sys::autocast_cache_enabled(self.cache_enabled)?;
+        sys::autocast_nesting(true)?;
+        count_torch_autocast(true);
+        Ok(AutocastScope { device: self.device, previous, previous_cache, _not_send: PhantomData })
+    }
+
+    /// Runs `f` inside the scope (torch's `with torch.autocast(..):`); the previous state is
+    /// restored afterwards, also when `f` panics.
+    ///
+    /// # Errors
+    /// As [`Self::enter`].
+    pub fn run<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let _scope = self.enter()?;
+        Ok(f())
+    }
+}
+
+/// `with torch.autocast(device_type):` around `f`, in the device type's default dtype (bf16 on
+/// CPU, fp16 on CUDA); see [`Autocast`] for the other arguments.
+///
+/// ```
+/// # fn main() -> Result<(), tch_amp::torch_amp::TorchAmpError> {
+/// use tch::{Device, Kind, Tensor};
+/// let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+/// assert_eq!(tch_amp::autocast(Device::Cpu, || a.mm(&a))?.kind(), Kind::BFloat16);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// As [`Autocast::enter`].
+pub fn autocast<T>(device: Device, f: impl FnOnce() -> T) -> Result<T> {
+    Autocast::new(device).run(f)
+}
+
+/// A live torch.amp autocast scope on this thread ([`Autocast::enter`]). Dropping it restores
+/// the previous enabled flag, dtype and cache flag, and empties libtorch's weight-cast cache
+/// when it was the outermost scope (torch's `__exit__`). Not `Send`: autocast is per thread.
+#[must_use = "autocast ends as soon as the scope is dropped"]
+#[derive(Debug)]
+pub struct AutocastScope {
+    device: Device,
+    previous: AutocastState,
+    previous_cache: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for AutocastScope {
+    fn drop(&mut self) {
+        // Restoring values read from libtorch cannot be refused.
+        if let Ok(0) = sys::autocast_nesting(false) {
+            let _ = sys::autocast_clear_cache();
+        }
+        let _ = sys::autocast_set(self.device, self.previous.enabled, self.previous.dtype);
+        let _ = sys::autocast_cache_enabled(Some(self.previous_cache));
+        count_torch_autocast(false);
+    }
+}
