@@ -1233,7 +1233,7 @@ fn fuzz_generated_pickles_stay_bounded() {
     use proptest::prelude::*;
     use proptest::test_runner::{Config, TestCaseError, TestRunner};
     let config = Config { cases: 3000, failure_persistence: None, max_shrink_iters: 256, ..Config::default() };
-    let mut runner = TestRunner::new_with_rng(config, common::rng(0x5eed_28));
+    let mut runner = TestRunner::new_with_rng(config, common::rng(0x5eed_0028));
     let storage = [0u8, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64, 0, 0, 128, 64];
     let start = Instant::now();
     runner

@@ -168,9 +168,13 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
         return Err(duplicate(&mut archive));
     }
     // torch writes every record under one folder (named after the file; "archive" here).
+    // Names in sorted order: the zip reader's table is a hash map, the choice must not depend
+    // on its order.
+    let mut names: Vec<&str> = archive.file_names().collect();
+    names.sort_unstable();
     let mut prefix = None;
     let mut torchscript = false;
-    for name in archive.file_names() {
+    for &name in &names {
         if let Some(p) = name.strip_suffix("data.pkl") {
             if p.ends_with('/') && p[..p.len() - 1].find('/').is_none() && prefix.is_none() {
                 prefix = Some(p.to_string());
@@ -179,7 +183,7 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
         torchscript |= name.ends_with("/constants.pkl");
     }
     if let Some(prefix) = &prefix {
-        if let Some(other) = archive.file_names().find(|n| !n.starts_with(prefix.as_str())) {
+        if let Some(other) = names.iter().find(|n| !n.starts_with(prefix.as_str())) {
             let second = match other.find('/') {
                 Some(i) => other[..=i].to_string(),
                 None => other.to_string(),
