@@ -12,6 +12,9 @@ use super::params::{trainable, under_prefix, ParamEntry};
 use super::rule::HyperParams;
 use crate::error::{AmpError, Result};
 
+/// A predicate over a variable's name and the variable.
+type VarPredicate = Arc<dyn Fn(&str, &Tensor) -> bool + Send + Sync>;
+
 /// Which variables a group takes.
 #[derive(Clone)]
 pub(crate) enum Selector {
@@ -22,7 +25,7 @@ pub(crate) enum Selector {
     /// Those whose name satisfies the predicate.
     Matching(Arc<dyn Fn(&str) -> bool + Send + Sync>),
     /// Those whose name and variable satisfy the predicate.
-    MatchingVar(Arc<dyn Fn(&str, &Tensor) -> bool + Send + Sync>),
+    MatchingVar(VarPredicate),
     /// Every variable no other group of the same call (or of the optimizer, for
     /// `add_param_group`) takes.
     Rest,

@@ -81,14 +81,12 @@ pub fn load_torch_checkpoint_value(
                 options.optimizer_keys.len(),
                 options.optimizer_keys
             ),
-        }
-        .into());
+        });
     }
     if let Some(i) = options.param_orders.keys().find(|&&i| i >= optimizers.len()) {
         return Err(TorchCheckpointError::Options {
             message: format!("a param_order for optimizer {i}, but {} optimizers were given", optimizers.len()),
-        }
-        .into());
+        });
     }
     let root = checkpoint.node();
     root.as_dict()?;

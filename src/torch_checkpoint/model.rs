@@ -39,8 +39,7 @@ fn key_str<'a>(node: &Node<'_>, key: &'a Key) -> Result<&'a str> {
         Key::Int(i) => Err(TorchCheckpointError::BadValue {
             path: node.path(),
             message: format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
-        }
-        .into()),
+        }),
     }
 }
 
@@ -126,8 +125,7 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
             return Err(TorchCheckpointError::BadValue {
                 path: entry.path(),
                 message: format!("{name} appears twice once the prefix {prefix:?} is stripped"),
-            }
-            .into());
+            });
         }
         if t.size() != var.size() {
             return Err(TorchCheckpointError::ShapeMismatch {
@@ -135,12 +133,11 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
                 target: name.to_string(),
                 expected: var.size(),
                 found: t.size(),
-            }
-            .into());
+            });
         }
         check_dtype(&entry.path(), name, t.kind(), var.kind(), options.exact_dtypes)?;
         if !all_finite(t)? {
-            return Err(TorchCheckpointError::NonFinite { path: entry.path() }.into());
+            return Err(TorchCheckpointError::NonFinite { path: entry.path() });
         }
         let on_device = t.f_to_device(var.device()).ctx("moving a state dict entry to the VarStore's device")?;
         if is_low_precision(var.kind()) {
@@ -158,8 +155,7 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
         return Err(TorchCheckpointError::KeysMismatch {
             missing: std::mem::take(&mut staged.missing),
             unexpected: std::mem::take(&mut staged.unexpected),
-        }
-        .into());
+        });
     }
     Ok(staged)
 }

@@ -60,8 +60,7 @@ impl FileKind {
             message: "a param group with neither betas (Adam, AdamW), alpha (RMSprop) nor nesterov/dampening (SGD): \
                       tch-amp maps only these torch.optim classes"
                 .into(),
-        }
-        .into())
+        })
     }
 
     fn name(self) -> &'static str {
@@ -147,7 +146,7 @@ fn group_hypers(g: &Node<'_>, kind: &str) -> Result<Vec<(&'static str, f64)>> {
         let betas = g.get("betas")?;
         let b = betas.elements()?;
         if b.len() != 2 {
-            return Err(E::BadValue { path: betas.path(), message: format!("{} betas, expected 2", b.len()) }.into());
+            return Err(E::BadValue { path: betas.path(), message: format!("{} betas, expected 2", b.len()) });
         }
         out.push(("beta1", number(&b[0])?));
         out.push(("beta2", number(&b[1])?));
@@ -207,23 +206,21 @@ fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimize
     let err = |reason: String| E::ParamOrder { optimizer: index, reason };
     let got: Vec<usize> = order.iter().map(Vec::len).collect();
     if got != sizes {
-        return Err(
-            err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")).into()
-        );
+        return Err(err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")));
     }
     let ours: BTreeSet<&str> = optimizer.param_names().into_iter().collect();
     let mut seen = BTreeSet::new();
     for name in order.iter().flatten() {
         if !ours.contains(name.as_str()) {
-            return Err(err(format!("{name} is not a parameter of the optimizer")).into());
+            return Err(err(format!("{name} is not a parameter of the optimizer")));
         }
         if !seen.insert(name.as_str()) {
-            return Err(err(format!("{name} appears twice")).into());
+            return Err(err(format!("{name} appears twice")));
         }
     }
     if seen.len() != ours.len() {
         let left: Vec<&str> = ours.difference(&seen).copied().collect();
-        return Err(err(format!("the order leaves out the parameters {left:?}")).into());
+        return Err(err(format!("the order leaves out the parameters {left:?}")));
     }
     Ok(())
 }
@@ -252,9 +249,7 @@ pub(super) fn resolve_order(
     let total: usize = sizes.iter().sum();
     let names = optimizer.param_names();
     if total != names.len() {
-        return Err(
-            E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }.into()
-        );
+        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
     }
     if let Some(order) = explicit {
         check_order(order, &sizes, optimizer, index)?;
@@ -274,7 +269,7 @@ pub(super) fn resolve_order(
             .collect::<Result<_>>()?;
         check_order(&order, &sizes, optimizer, index).map_err(|e| match e {
             E::ParamOrder { optimizer, reason } => {
-                E::ParamOrder { optimizer, reason: format!("the file's param_names: {reason}") }.into()
+                E::ParamOrder { optimizer, reason: format!("the file's param_names: {reason}") }
             }
             other => other,
         })?;
@@ -291,8 +286,7 @@ pub(super) fn resolve_order(
                 "the file has no param_names and the parameters {absent:?} are not in the model state dict, whose \
                  order is model.parameters()'s"
             ),
-        }
-        .into());
+        });
     }
     let mut order = Vec::with_capacity(sizes.len());
     let mut at = 0;
@@ -317,8 +311,7 @@ pub(super) fn resolve_order(
                          would be {g:?}), so the Python script built its groups in another order",
                         order.len()
                     ),
-                }
-                .into());
+                });
             }
         }
     }
@@ -339,9 +332,7 @@ fn read_step(n: &Node<'_>) -> Result<u64> {
         _ => number(n)?,
     };
     if !(v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v <= 9_007_199_254_740_992.0) {
-        return Err(
-            E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") }.into()
-        );
+        return Err(E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") });
     }
     Ok(v as u64)
 }
@@ -361,9 +352,7 @@ pub(super) fn record_from_node(
     let names = optimizer.param_names();
     let total: usize = sizes.iter().sum();
     if total != names.len() {
-        return Err(
-            E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() }.into()
-        );
+        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
     }
     check_order(order, &sizes, optimizer, index)?;
     let config = optimizer.config().ok_or_else(|| E::Options {
@@ -386,8 +375,7 @@ pub(super) fn record_from_node(
                 path: node.path(),
                 in_file: file_kind.name().into(),
                 in_optimizer: torch_class(kind).into(),
-            }
-            .into());
+            });
         }
         for (name, v) in group_hypers(g, kind)? {
             let want = ours.get(name).copied().unwrap_or(f64::NAN);
@@ -406,16 +394,13 @@ pub(super) fn record_from_node(
                     name: torch_name.into(),
                     in_file,
                     in_optimizer,
-                }
-                .into());
+                });
             }
         }
         let lr_node = g.get("lr")?;
         let lr = number(&lr_node)?;
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(
-                E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") }.into()
-            );
+            return Err(E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") });
         }
         group_lrs.push(lr);
         for name in &order[gi] {
@@ -431,8 +416,7 @@ pub(super) fn record_from_node(
                             "one learning rate for tch parameter group {tg} (which holds {name}); give those \
                              parameters their own group with Path::set_group"
                         ),
-                    }
-                    .into())
+                    })
                 }
                 Some(_) => {}
                 None => {
@@ -462,8 +446,7 @@ pub(super) fn record_from_node(
                 return Err(E::BadValue {
                     path: format!("{}.param_groups.{gi}.params", node.path()),
                     message: format!("parameter index {id} is listed twice"),
-                }
-                .into());
+                });
             }
         }
     }
@@ -484,8 +467,7 @@ pub(super) fn record_from_node(
                 return Err(E::BadValue {
                     path: state.path(),
                     message: format!("has the key {s:?}; torch.optim keys its state by parameter index"),
-                }
-                .into())
+                })
             }
         };
         let name = *id_to_name.get(&id).ok_or_else(|| E::BadValue {
@@ -498,9 +480,7 @@ pub(super) fn record_from_node(
         for (k, v) in st.entries()? {
             let k = match k {
                 Key::Str(s) => s.as_str(),
-                Key::Int(i) => {
-                    return Err(E::BadValue { path: st.path(), message: format!("unexpected int key {i}") }.into())
-                }
+                Key::Int(i) => return Err(E::BadValue { path: st.path(), message: format!("unexpected int key {i}") }),
             };
             if k == "step" {
                 if counts_steps {
@@ -515,8 +495,7 @@ pub(super) fn record_from_node(
                         "torch.optim.{} configured as this optimizer keeps {expected:?}, not {k:?}",
                         torch_class(kind)
                     ),
-                }
-                .into());
+                });
             };
             if v.is_none() {
                 continue; // SGD without momentum may store momentum_buffer = None
@@ -528,8 +507,7 @@ pub(super) fn record_from_node(
                     target: name.to_string(),
                     expected: lay.shape.clone(),
                     found: t.size(),
-                }
-                .into());
+                });
             }
             let ok = if exact_dtypes { t.kind() == lay.state_kind } else { is_floating(t.kind()) };
             if !ok {
@@ -538,11 +516,10 @@ pub(super) fn record_from_node(
                     target: name.to_string(),
                     expected: format!("{:?} (the optimizer keeps this state in it)", lay.state_kind),
                     found: t.kind(),
-                }
-                .into());
+                });
             }
             if !super::model::all_finite(t)? {
-                return Err(E::NonFinite { path: v.path() }.into());
+                return Err(E::NonFinite { path: v.path() });
             }
             if t.kind() != lay.state_kind {
                 converted.push((v.path(), t.kind(), lay.state_kind));
@@ -555,13 +532,10 @@ pub(super) fn record_from_node(
             return Err(E::BadValue {
                 path: st.path(),
                 message: format!("has {have:?}; torch.optim.{} keeps {expected:?} together", torch_class(kind)),
-            }
-            .into());
+            });
         }
         if counts_steps && !p.buffers.is_empty() && p.step == 0 {
-            return Err(
-                E::BadValue { path: st.path(), message: "has optimizer state but no step (or step 0)".into() }.into()
-            );
+            return Err(E::BadValue { path: st.path(), message: "has optimizer state but no step (or step 0)".into() });
         }
     }
 
@@ -585,11 +559,12 @@ pub(super) fn record_from_node(
 
 /// The group dict of tch-amp's `kind` with its hyper-parameters, in torch 2.13's key order.
 fn group_dict(record: &OptimizerRecord, fused: bool, lr: f64) -> Result<Dict> {
-    let hp = |name: &str| -> Result<f64> {
-        record.hyper_parameters.get(name).copied().ok_or_else(|| {
-            E::Options { message: format!("the {} record has no hyper-parameter {name}", record.kind) }.into()
-        })
-    };
+    let hp =
+        |name: &str| -> Result<f64> {
+            record.hyper_parameters.get(name).copied().ok_or_else(|| E::Options {
+                message: format!("the {} record has no hyper-parameter {name}", record.kind),
+            })
+        };
     let fl = |name: &str| -> Result<Value> { Ok(Value::Bool(hp(name)? != 0.0)) };
     let num = |name: &str| -> Result<Value> { Ok(Value::Float(hp(name)?)) };
     let mut g = Dict::new();
@@ -629,7 +604,7 @@ fn group_dict(record: &OptimizerRecord, fused: bool, lr: f64) -> Result<Dict> {
             g.insert("differentiable", Value::Bool(false));
         }
         other => {
-            return Err(E::Options { message: format!("no torch.optim class for a {other:?} optimizer") }.into());
+            return Err(E::Options { message: format!("no torch.optim class for a {other:?} optimizer") });
         }
     }
     Ok(g)
@@ -650,14 +625,11 @@ pub(super) fn record_to_value(
     if rec_names != names {
         return Err(E::Options {
             message: format!("optimizer {index}: the record covers {rec_names:?}, the optimizer {names:?}"),
-        }
-        .into());
+        });
     }
     let sizes: Vec<usize> = order.iter().map(Vec::len).collect();
     check_order(order, &sizes, optimizer, index).map_err(|e| match e {
-        E::ParamOrder { reason, .. } => {
-            E::Options { message: format!("param_order of optimizer {index}: {reason}") }.into()
-        }
+        E::ParamOrder { reason, .. } => E::Options { message: format!("param_order of optimizer {index}: {reason}") },
         other => other,
     })?;
     let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
@@ -684,8 +656,7 @@ pub(super) fn record_to_value(
                             "param_order of optimizer {index}: group {gi} holds parameters with learning rates {l:?} \
                              and {this_lr:?} ({name}); torch keeps one per group"
                         ),
-                    }
-                    .into())
+                    })
                 }
                 _ => lr = Some(this_lr),
             }
@@ -737,8 +708,7 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
                 message: "an Adam-family group without decoupled_weight_decay (written by torch < 2.6): Adam and \
                           AdamW cannot be told apart; build the optimizer yourself"
                     .into(),
-            }
-            .into())
+            })
         }
     };
     let v: BTreeMap<&str, f64> = group_hypers(g, kind)?.into_iter().collect();
@@ -751,8 +721,7 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
                     "{name} differs from param group 0's: tch-amp's optimizers have one set of hyper-parameters \
                      besides the learning rate"
                 ),
-            }
-            .into());
+            });
         }
     }
     let on = |k: &str| v[k] != 0.0;
