@@ -9,13 +9,14 @@ use crate::optim::engine::GradSlice;
 use crate::optim::grads::{clear_grad, set_grad, take_grad, unscale_};
 use crate::optim::params::ParamEntry;
 
-/// O2's gradients between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
+/// O2's gradients on CPU between `scale_loss` and `step`: still the model's fp16/bf16 `.grad`,
 /// checked for inf/NaN but not unscaled. `step` turns them into fp32 master gradients a slice
 /// at a time, right before each slice's update, so that no full-size fp32 gradient is ever
 /// held: 16 bytes per parameter at the peak with Adam (2 fp16 weight, 4 master, 2 fp16 grad,
 /// 8 state) instead of 18. Anything that needs the fp32 master gradients before `step`
 /// (clipping, [`AmpOptimizer::master_params`], another `scale_loss` accumulating into them)
-/// makes them all at once, as before.
+/// makes them all at once, as before. On CUDA the master gradients are always made at once at
+/// `scale_loss` exit (as Apex does; a slice costs kernel launches there, not memory traffic).
 #[derive(Debug)]
 pub(super) struct HalfGrads {
     /// The fp32 `1 / loss_scale` of the pass that made them.

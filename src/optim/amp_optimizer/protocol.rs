@@ -154,8 +154,12 @@ impl AmpOptimizer {
     pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
         // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
         // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
+        // On CPU only: on a GPU each slice costs a dozen kernel launches, which made O2's step
+        // several times slower on large layers (BENCHMARKS.md, GPU), and device memory is what
+        // the caching allocator already holds.
         let slice_wise = self.inner.updates_in_slices()
             && self.entries.iter().any(|e| e.master().is_some())
+            && self.entries.iter().filter_map(ParamEntry::master).all(|m| m.device() == tch::Device::Cpu)
             && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
             && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
                 let g = e.model().grad();
