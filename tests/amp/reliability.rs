@@ -385,9 +385,12 @@ fn floats_round_trip_bit_exactly() {
         let opt = amp.optimizer(&vs, nn::Sgd::default(), 0.1).unwrap();
         (vs, amp, opt)
     };
+    // Any f64 bit pattern the loaders accept: finite, and neither inf nor flushed to 0 in the
+    // fp32 the update computes in (OptimizerRecord::validate refuses those).
     let mut random_lr = || loop {
         let v = f64::from_bits(r.random::<u64>() & !(1u64 << 63));
-        if v.is_finite() {
+        let f = v as f32;
+        if v.is_finite() && f.is_finite() && f != 0.0 {
             return v;
         }
     };
