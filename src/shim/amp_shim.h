@@ -12,18 +12,6 @@ namespace tch_amp {
 inline char* error_message(const std::string& msg) { return strdup(msg.c_str()); }
 }  // namespace tch_amp
 
-#include <vector>
-namespace at {
-class Tensor;
-}
-namespace tch_amp {
-// libtorch's _amp_foreach_non_finite_check_and_unscale_ (grads.cpp), also for bf16 gradients on
-// CUDA, which libtorch's CUDA kernels do not take. With check_only the gradients are only read
-// (inv_scale is then 1).
-void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
-                                  const at::Tensor& inv_scale, bool check_only);
-}  // namespace tch_amp
-
 extern "C" {
 // The scalar arguments of an Adam/AdamW update (optim.cpp; src/sys/optim.rs).
 struct tch_amp_adam_scalars {

@@ -6,13 +6,13 @@
 
 #include <vector>
 
-namespace tch_amp {
+namespace {
 
 // libtorch's CUDA kernels of _amp_foreach_non_finite_check_and_unscale_ take fp32, fp16 and
 // fp64 only: bf16 CUDA gradients go through an fp32 copy (exact), unscaled there and rounded
 // back once, the bits libtorch's CPU kernel gives (it computes in fp32 and rounds once).
 void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
-                                  const at::Tensor& inv_scale, bool check_only) {
+                                  const at::Tensor& inv_scale) {
   std::vector<at::Tensor> direct, bf16, widened;
   for (const auto& g : grads) {
     if (g.is_cuda() && g.scalar_type() == at::kBFloat16) {
@@ -25,13 +25,11 @@ void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tens
   if (!direct.empty()) at::_amp_foreach_non_finite_check_and_unscale_(direct, found_inf, inv_scale);
   if (!widened.empty()) {
     at::_amp_foreach_non_finite_check_and_unscale_(widened, found_inf, inv_scale);
-    if (!check_only) {
-      for (size_t i = 0; i < bf16.size(); ++i) bf16[i].copy_(widened[i]);
-    }
+    for (size_t i = 0; i < bf16.size(); ++i) bf16[i].copy_(widened[i]);
   }
 }
 
-}  // namespace tch_amp
+}  // namespace
 
 extern "C" {
 
@@ -55,7 +53,7 @@ char* tch_amp_unscale_(at::Tensor** grads, int n, at::Tensor* found_inf, at::Ten
     std::vector<at::Tensor> list;
     list.reserve(n);
     for (int i = 0; i < n; ++i) list.push_back(*grads[i]);
-    if (!list.empty()) tch_amp::non_finite_check_and_unscale(list, *found_inf, *inv_scale, false);
+    if (!list.empty()) non_finite_check_and_unscale(list, *found_inf, *inv_scale);
   })
 }
 
