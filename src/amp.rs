@@ -1,6 +1,7 @@
 //! [`Amp`], the handle `initialize` returns: the resolved options, one loss scaler per loss,
 //! the cast engine's activation on this thread, `scale_loss`, and the factory for cast models
 //! and AMP optimizers.
+use crate::error::{ConfigError, UsageError};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -100,14 +101,15 @@ pub struct Amp {
 
 impl Amp {
     /// Resolves `config` (Apex's rules checked), makes the scalers and, under O1, activates the
-    /// cast policy on this thread (CPU, and CUDA when available) for as long as the `Amp`
-    /// lives. Under O2/O3 with an fp16/bf16 model whose type is emulated on this CPU (see
-    /// [`crate::CpuKernels`]), the emulation-only policy is activated for CPU the same way. The first `Amp` that needs the
-    /// cast engine registers its kernels with libtorch, once for the process.
+    /// cast policy on this thread (CPU, and CUDA when available) for as long as the `Amp` lives.
+    /// Under O2/O3 with an fp16/bf16 model whose type is emulated on this CPU (see
+    /// [`crate::CpuKernels`]), the emulation-only policy is activated for CPU the same way. The
+    /// first `Amp` that needs the cast engine registers its kernels with libtorch, once for the
+    /// process.
     ///
     /// # Errors
-    /// Any rejection of [`AmpConfig::build`]; the policy's errors (an unknown op in a user
-    /// cast: [`AmpError::UnknownOp`]).
+    /// Any rejection of [`AmpConfig::build`]; the policy's errors (an unknown op in a user cast:
+    /// [`ConfigError::UnknownOp`]).
     pub fn new(config: &AmpConfig) -> Result<Self> {
         Self::from_properties(config.build()?)
     }
@@ -162,17 +164,19 @@ impl Amp {
     /// The scaler of `loss_id`.
     ///
     /// # Errors
-    /// [`AmpError::LossIdOutOfRange`].
+    /// [`ConfigError::LossIdOutOfRange`].
     pub fn scaler(&self, loss_id: usize) -> Result<&LossScaler> {
-        self.scalers.get(loss_id).ok_or(AmpError::LossIdOutOfRange { loss_id, num_losses: self.scalers.len() })
+        self.scalers
+            .get(loss_id)
+            .ok_or(AmpError::Config(ConfigError::LossIdOutOfRange { loss_id, num_losses: self.scalers.len() }))
     }
 
     /// The diagnostics of the last overflow of `loss_id` (`None` before the first): which
-    /// parameters had inf/NaN gradients, in model order, with counts. The scale changes that
-    /// led there are in [`LossScaler::history`].
+    /// parameters had inf/NaN gradients, in model order, with counts. The scale changes that led
+    /// there are in [`LossScaler::history`].
     ///
     /// # Errors
-    /// [`AmpError::LossIdOutOfRange`].
+    /// [`ConfigError::LossIdOutOfRange`].
     pub fn last_overflow(&self, loss_id: usize) -> Result<Option<&OverflowReport>> {
         self.scaler(loss_id)?;
         Ok(self.last_overflows[loss_id].as_ref())
@@ -181,7 +185,7 @@ impl Amp {
     /// The current scale of `loss_id`.
     ///
     /// # Errors
-    /// [`AmpError::LossIdOutOfRange`].
+    /// [`ConfigError::LossIdOutOfRange`].
     pub fn loss_scale(&self, loss_id: usize) -> Result<f64> {
         Ok(self.scaler(loss_id)?.loss_scale())
     }
@@ -200,14 +204,13 @@ impl Amp {
     }
 
     /// Restores the scalers from Apex's form (one `loss_scalerN` entry per loss, each with
-    /// `loss_scale` and `unskipped`) or, for a single loss, from torch's
-    /// `GradScaler.state_dict()` (`scale`, `growth_factor`, `backoff_factor`,
-    /// `growth_interval`, `_growth_tracker`).
+    /// `loss_scale` and `unskipped`) or, for a single loss, from torch's `GradScaler.state_dict()`
+    /// (`scale`, `growth_factor`, `backoff_factor`, `growth_interval`, `_growth_tracker`).
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] for an unknown key, a missing scaler, a count that differs
-    /// from `num_losses`, or a non-positive / non-finite scale. Nothing is applied then
-    /// (Apex applies the valid entries and raises afterwards).
+    /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) for an unknown key, a
+    /// missing scaler, a count that differs from `num_losses`, or a non-positive / non-finite
+    /// scale. Nothing is applied then (Apex applies the valid entries and raises afterwards).
     pub fn load_state_dict(&mut self, state: &serde_json::Value) -> Result<()> {
         let parsed = scaling::parse_state(&self.scalers, state)?;
         scaling::apply_state(&mut self.scalers, parsed);
@@ -253,7 +256,7 @@ impl Amp {
     /// master weights are on). Cast the model first.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a bad learning rate.
+    /// [`ConfigError::InvalidOption`] for a bad learning rate.
     pub fn optimizer(&self, vs: &VarStore, config: impl Into<OptimizerConfig>, lr: f64) -> Result<AmpOptimizer> {
         self.optimizer_for(vs, &[], config, lr)
     }
@@ -262,7 +265,7 @@ impl Amp {
     /// segments: `"layer1"` selects `layer1.*`, never `layer10.*`); an empty list selects all.
     ///
     /// # Errors
-    /// [`AmpError::NoVariablesUnder`] when no variable lies under the prefixes; as
+    /// [`ConfigError::NoVariablesUnder`] when no variable lies under the prefixes; as
     /// [`Self::optimizer`].
     pub fn optimizer_for(
         &self,
@@ -285,11 +288,11 @@ impl Amp {
     }
 
     /// An optimizer over parameter groups with their own hyper-parameters (torch.optim's
-    /// `Optimizer([{"params": ..., "weight_decay": 0.0}, ...], lr=lr, ...)`): the variables of
-    /// `vs` each [`ParamGroup`] selects, each group with `config`'s hyper-parameters and `lr`
-    /// unless it sets its own. Group ids are the groups' positions. Trainable variables no group
-    /// selects are not optimized (as in torch); an empty `groups` means one group per tch group,
-    /// as [`Self::optimizer`].
+    /// `Optimizer([{"params": ..., "weight_decay": 0.0}, ...], lr=lr, ...)`): the variables of `vs`
+    /// each [`ParamGroup`] selects, each group with `config`'s hyper-parameters and `lr` unless it
+    /// sets its own. Group ids are the groups' positions. Trainable variables no group selects are
+    /// not optimized (as in torch); an empty `groups` means one group per tch group, as
+    /// [`Self::optimizer`].
     ///
     /// ```
     /// use tch::nn::{self, VarStore};
@@ -314,9 +317,9 @@ impl Amp {
     /// ```
     ///
     /// # Errors
-    /// As [`Self::optimizer`]; [`AmpError::ParamInTwoGroups`], [`AmpError::UnknownVariable`],
-    /// [`AmpError::NoVariablesUnder`] for the selections; [`AmpError::UnknownHyperParameter`]
-    /// and [`AmpError::InvalidOption`] for a group's settings.
+    /// As [`Self::optimizer`]; [`ConfigError::ParamInTwoGroups`], [`ConfigError::UnknownVariable`],
+    /// [`ConfigError::NoVariablesUnder`] for the selections; [`ConfigError::UnknownHyperParameter`]
+    /// and [`ConfigError::InvalidOption`] for a group's settings.
     pub fn optimizer_groups(
         &self,
         vs: &VarStore,
@@ -425,20 +428,22 @@ impl Amp {
 
     /// [`Self::scale_loss_with`] with a fallible `backward` (e.g. `|s| s.f_backward()`).
     ///
-    /// At an overflow the parameters with inf/NaN gradients are counted (only then: a clean
-    /// pass reads one flag) into an [`OverflowReport`] ([`Self::last_overflow`],
+    /// At an overflow the parameters with inf/NaN gradients are counted (only then: a clean pass
+    /// reads one flag) into an [`OverflowReport`] ([`Self::last_overflow`],
     /// [`AmpOptimizer::last_overflow`]), printed at verbosity >= 1 after Apex's line. With the
-    /// scale at its floor, the gradients of a clean pass are checked for being all zero (the
-    /// silent collapse; see [`crate::AmpConfig::collapse_limit`]).
+    /// scale at its floor, the gradients of a clean pass are checked for being all zero (the silent
+    /// collapse; see [`crate::AmpConfig::collapse_limit`]).
     ///
     /// # Errors
-    /// Checked before `backward` runs, nothing changed then: [`AmpError::LossIdOutOfRange`];
-    /// [`AmpError::NoOptimizers`] for an empty list (Apex accepts it and leaves the gradients
-    /// scaled); [`AmpError::ForeignOptimizer`] for an optimizer of another `Amp`;
-    /// [`AmpError::DuplicateOptimizer`]; [`AmpError::LossNotScalar`] for a loss that is not a
-    /// single value; [`AmpError::LossWithoutGraph`] for a loss that does not require grad;
-    /// [`AmpError::LossDeviceMismatch`] for a loss on another device than an optimizer's
-    /// parameters. Afterwards: [`AmpError::Torch`] from `backward` or from unscaling.
+    /// Checked before `backward` runs, nothing changed then: [`ConfigError::LossIdOutOfRange`];
+    /// [`UsageError::NoOptimizers`] for an empty list (Apex accepts it and leaves the gradients
+    /// scaled); [`UsageError::ForeignOptimizer`] for an optimizer of another `Amp`;
+    /// [`UsageError::DuplicateOptimizer`];
+    /// [`UsageError::BadLoss`](crate::error::UsageError::BadLoss) for a loss that is not a single
+    /// value; [`UsageError::BadLoss`](crate::error::UsageError::BadLoss) for a loss that does not
+    /// require grad; [`UsageError::BadLoss`](crate::error::UsageError::BadLoss) for a loss on
+    /// another device than an optimizer's parameters. Afterwards: [`AmpError::Torch`] from
+    /// `backward` or from unscaling.
     pub fn f_scale_loss_with(
         &mut self,
         loss: &Tensor,
@@ -491,14 +496,14 @@ impl Amp {
     fn check_call(&self, loss_id: usize, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
         self.scaler(loss_id)?;
         if optimizers.is_empty() {
-            return Err(AmpError::NoOptimizers);
+            return Err(AmpError::Usage(UsageError::NoOptimizers));
         }
         if let Some(o) = optimizers.iter().find(|o| o.amp_id() != self.id) {
-            return Err(AmpError::ForeignOptimizer { optimizer_amp: o.amp_id(), amp: self.id });
+            return Err(AmpError::Usage(UsageError::ForeignOptimizer { optimizer_amp: o.amp_id(), amp: self.id }));
         }
         for (i, a) in optimizers.iter().enumerate() {
             if optimizers[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {
-                return Err(AmpError::DuplicateOptimizer);
+                return Err(AmpError::Usage(UsageError::DuplicateOptimizer));
             }
         }
         Ok(())
@@ -588,7 +593,7 @@ impl Amp {
                 if scaler.is_dynamic() && new_scale <= floor && scale > floor {
                     log::warn!(
                         "loss scaler {loss_id} reached its floor {floor:e} (min_loss_scale): {} more overflows in a row \
-                         there end in AmpError::ScaleCollapsed",
+                         there end in AmpError::Diverged(Divergence::ScaleCollapsed)",
                         self.props.collapse_limit()
                     );
                 }
@@ -622,18 +627,10 @@ impl Amp {
 /// The loss is one value with an autograd graph, on the optimizers' device. Checked before
 /// `backward` (tch's `backward` panics with a C++ trace on each of these).
 fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
-    if !loss.defined() {
-        return Err(AmpError::LossNotScalar { shape: Vec::new() });
-    }
-    if loss.numel() != 1 {
-        return Err(AmpError::LossNotScalar { shape: loss.size() });
-    }
-    if !loss.requires_grad() {
-        return Err(AmpError::LossWithoutGraph);
-    }
+    crate::error::check_loss_value(loss)?;
     let device = loss.device();
     if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
-        return Err(AmpError::LossDeviceMismatch { loss: device, params });
+        return Err(AmpError::Usage(crate::error::loss_on_wrong_device(device, params)));
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Diagnostics for tests and debugging: what the cast engine registered, resolved and cached.
 //! Not part of the stable API.
+use crate::error::ConfigError;
 use tch::Device;
 
 use crate::error::{AmpError, Result};
@@ -15,7 +16,7 @@ pub fn kernels_registered() -> bool {
 /// Whether the calling thread has a tch-amp cast policy active.
 ///
 /// # Errors
-/// [`AmpError::Shim`] if the engine cannot be queried.
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
 pub fn policy_active() -> Result<bool> {
     crate::cast::policy_active()
 }
@@ -23,30 +24,32 @@ pub fn policy_active() -> Result<bool> {
 /// How many casts the calling thread's weight-cast cache holds.
 ///
 /// # Errors
-/// [`AmpError::Shim`] if the engine cannot be queried.
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
 pub fn cast_cache_len() -> Result<usize> {
     crate::cast::cast_cache_len()
 }
 
-/// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured
-/// before tch-amp's kernels), as `"name"` or `"name.overload"`, sorted.
+/// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured before
+/// tch-amp's kernels), as `"name"` or `"name.overload"`, sorted.
 ///
 /// # Errors
-/// [`AmpError::InvalidOption`] for a device other than CPU/CUDA.
+/// [`ConfigError::InvalidOption`] for a device other than CPU/CUDA.
 pub fn libtorch_autocast_ops(device: Device) -> Result<Vec<String>> {
     crate::cast::libtorch_autocast_ops(device)
 }
 
-/// Checks that `aten::<name>` exists, with an optional overload after a dot
-/// (`"mm"`, `"add.Tensor"`).
+/// Checks that `aten::<name>` exists, with an optional overload after a dot (`"mm"`,
+/// `"add.Tensor"`).
 ///
 /// # Errors
-/// [`AmpError::UnknownOp`] with libtorch's own message when the dispatcher has no such
-/// schema (the C++ exception is caught in the shim, never an abort).
+/// [`ConfigError::UnknownOp`] with libtorch's own message when the dispatcher has no such schema
+/// (the C++ exception is caught in the shim, never an abort).
 pub fn check_aten_op(name: &str) -> Result<()> {
     let (base, overload) = name.split_once('.').unwrap_or((name, ""));
     crate::sys::find_schema(base, overload).map_err(|e| match e {
-        AmpError::Shim { message, .. } => AmpError::UnknownOp { name: name.to_string(), message },
+        AmpError::Torch { source, .. } => {
+            AmpError::Config(ConfigError::UnknownOp { name: name.to_string(), message: source.to_string() })
+        }
         other => other,
     })
 }
@@ -72,7 +75,7 @@ pub struct CpuMemory {
 /// allocation then costs a mutex and a hash-map update: for tests and benchmarks, not training.
 ///
 /// # Errors
-/// [`AmpError::Shim`] if libtorch's allocator cannot be wrapped.
+/// [`AmpError::Torch`](crate::AmpError::Torch) if libtorch's allocator cannot be wrapped.
 pub fn track_cpu_memory() -> Result<()> {
     crate::sys::cpu::cpu_memory_tracking_install()
 }
@@ -80,7 +83,7 @@ pub fn track_cpu_memory() -> Result<()> {
 /// The counting allocator's current and peak bytes (zeros before [`track_cpu_memory`]).
 ///
 /// # Errors
-/// [`AmpError::Shim`] if the counters cannot be read (not expected).
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the counters cannot be read (not expected).
 pub fn cpu_memory() -> Result<CpuMemory> {
     let (current, peak) = crate::sys::cpu::cpu_memory(false)?;
     Ok(CpuMemory { current, peak })
@@ -102,7 +105,7 @@ pub fn reset_cpu_memory_peak() -> Result<CpuMemory> {
 /// update tch-amp runs (the benchmark's baseline).
 ///
 /// # Errors
-/// [`AmpError::Shim`] when the lists differ in length or libtorch rejects the tensors.
+/// [`AmpError::Torch`](crate::AmpError::Torch) when the lists differ in length or libtorch rejects the tensors.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_adam_(
     params: &[tch::Tensor],
@@ -127,7 +130,7 @@ pub fn fused_adam_(
 /// on CPU computations.
 ///
 /// # Errors
-/// [`AmpError::Shim`] if libtorch refuses (not expected).
+/// [`AmpError::Torch`](crate::AmpError::Torch) if libtorch refuses (not expected).
 pub fn set_allow_tf32(on: bool) -> Result<()> {
     crate::sys::set_allow_tf32(on)
 }

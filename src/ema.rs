@@ -31,6 +31,7 @@
 //! Differences from timm: an update after a skipped step (an overflow) changes nothing, where
 //! timm's `update` would average the unchanged weights in once more; under O2 the average is of
 //! the fp32 masters, where timm's of an Apex O2 model would be of its fp16 weights.
+use crate::error::ConfigError;
 use std::collections::BTreeMap;
 
 use tch::nn::VarStore;
@@ -70,19 +71,18 @@ fn fp32_copy(t: &Tensor) -> Result<Tensor> {
 }
 
 impl ModelEma {
-    /// An average that starts at the current weights (timm copies the model). `decay` in
-    /// `[0, 1]`.
+    /// An average that starts at the current weights (timm copies the model). `decay` in `[0, 1]`.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a decay outside `[0, 1]`; [`AmpError::Torch`] if a copy
+    /// [`ConfigError::InvalidOption`] for a decay outside `[0, 1]`; [`AmpError::Torch`] if a copy
     /// fails.
     pub fn new(vs: &VarStore, optimizers: &[&AmpOptimizer], decay: f64) -> Result<Self> {
         if !(0.0..=1.0).contains(&decay) {
-            return Err(AmpError::InvalidOption {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "decay",
                 value: decay.to_string(),
                 expected: "a number in [0, 1]",
-            });
+            }));
         }
         let _no_grad = tch::no_grad_guard();
         let shadow =
@@ -109,12 +109,12 @@ impl ModelEma {
         }
     }
 
-    /// Updates the average from the weights after a step (`outcome` is what `step()`
-    /// returned): nothing after a skipped step.
+    /// Updates the average from the weights after a step (`outcome` is what `step()` returned):
+    /// nothing after a skipped step.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] when `vs` lost or renamed a variable the average holds;
-    /// [`AmpError::Torch`] if an operation fails.
+    /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) when `vs` lost or
+    /// renamed a variable the average holds; [`AmpError::Torch`] if an operation fails.
     pub fn update(&mut self, vs: &VarStore, optimizers: &[&AmpOptimizer], outcome: StepOutcome) -> Result<()> {
         if !outcome.stepped() {
             return Ok(());
@@ -145,13 +145,13 @@ impl ModelEma {
         Ok(())
     }
 
-    /// Runs `f` with the averaged weights in the model's variables (each rounded to its
-    /// variable's dtype), then puts the model's own back, also when `f` panics. Use it for
-    /// evaluation; the masters and the optimizer state are not touched.
+    /// Runs `f` with the averaged weights in the model's variables (each rounded to its variable's
+    /// dtype), then puts the model's own back, also when `f` panics. Use it for evaluation; the
+    /// masters and the optimizer state are not touched.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] when `vs` lacks a variable the average holds;
-    /// [`AmpError::Torch`] if a copy fails.
+    /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) when `vs` lacks a
+    /// variable the average holds; [`AmpError::Torch`] if a copy fails.
     pub fn with_weights<T>(&self, vs: &VarStore, f: impl FnOnce() -> T) -> Result<T> {
         let vars = vs.variables();
         if let Some(name) = self.shadow.keys().find(|k| !vars.contains_key(*k)) {
@@ -195,11 +195,12 @@ impl ModelEma {
         self.updates
     }
 
-    /// Restores averages saved from [`Self::tensors`] and the update count; every name, shape
-    /// and dtype must match, and nothing changes otherwise.
+    /// Restores averages saved from [`Self::tensors`] and the update count; every name, shape and
+    /// dtype must match, and nothing changes otherwise.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] for a missing, extra or mismatched tensor.
+    /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) for a missing, extra
+    /// or mismatched tensor.
     pub fn load(&mut self, tensors: &BTreeMap<String, Tensor>, updates: u64) -> Result<()> {
         if tensors.keys().ne(self.shadow.keys()) {
             return Err(crate::error::mismatch("the saved EMA holds other variables than this one"));

@@ -91,6 +91,9 @@
 //!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
 //!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
 //!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
+//! - [`error`] (`src/error/`): the groups of [`AmpError`], one per thing a caller can do
+//!   ([`error::ConfigError`], [`error::UsageError`], [`error::OpRefused`],
+//!   [`error::Divergence`], [`error::StateError`]).
 //! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
 //!   [`distributed`] and [`torch_amp`] have their own error types, which wrap [`AmpError`] where
 //!   they need to.
@@ -121,7 +124,7 @@ pub mod diagnostics;
 pub mod distributed;
 mod dtype;
 pub mod ema;
-mod error;
+pub mod error;
 pub mod fp16_utils;
 pub mod model;
 pub mod optim;
@@ -141,7 +144,7 @@ pub use config::builder::AmpConfig;
 pub use config::loss_scale::LossScale;
 pub use config::opt_level::OptLevel;
 pub use config::properties::Properties;
-pub use error::{AmpError, Result};
+pub use error::amp_error::{AmpError, Result};
 pub use model::wrapper::AmpModel;
 pub use optim::amp_optimizer::{AmpOptimizer, StepOutcome};
 pub use optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd};

@@ -18,6 +18,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::time::Duration;
+use tch_amp::error::StateError;
 
 use common::reference::{bits_equal, describe_diff, Fixture};
 use tch::nn::{self, ModuleT, VarStore};
@@ -702,7 +703,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "lr 1e308",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::Amp(AmpError::PoisonedState { param, .. }) if param.ends_with("lr")),
+        &|e| matches!(e, TorchCheckpointError::Amp(AmpError::State(StateError::PoisonedState { param, .. })) if param.ends_with("lr")),
     );
     // A file whose rebuild calls nest 100,000 deep: a typed error, not a stack overflow.
     let mut p = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\nq\x000ctorch\nTensor\nq\x010)q\x020".to_vec();
@@ -771,7 +772,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let mut t = tree();
     edit(&mut t, &["amp", "loss_scaler0", "loss_scale"], |v| *v = Value::Float(-1.0));
     check("a negative loss scale", checkpoint_bytes(&t), &|e| {
-        matches!(e, TorchCheckpointError::Amp(AmpError::StateMismatch { .. }))
+        matches!(e, TorchCheckpointError::Amp(AmpError::State(StateError::StateMismatch { .. })))
     });
     let mut t = tree();
     edit(&mut t, &["model"], |m| *m = Value::List(vec![]));

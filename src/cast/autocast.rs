@@ -24,7 +24,8 @@ pub struct AutocastState {
 /// Reads autocast's state for `device`'s type on this thread.
 ///
 /// # Errors
-/// [`crate::AmpError::InvalidOption`] for a device other than CPU/CUDA.
+/// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) for a device other than
+/// CPU/CUDA.
 pub fn autocast_state(device: Device) -> Result<AutocastState> {
     let (enabled, dtype) = sys::autocast_get(device)?;
     Ok(AutocastState { enabled, dtype })
@@ -66,12 +67,13 @@ pub struct AutocastGuard {
 }
 
 impl AutocastGuard {
-    /// Sets autocast for `device`'s type to `enabled` with low-precision `dtype`
-    /// (`Kind::Half` or `Kind::BFloat16`).
+    /// Sets autocast for `device`'s type to `enabled` with low-precision `dtype` (`Kind::Half` or
+    /// `Kind::BFloat16`).
     ///
     /// # Errors
-    /// [`crate::AmpError::InvalidOption`] for a device other than CPU/CUDA or an unsupported
-    /// dtype; [`crate::AmpError::Shim`] when libtorch refuses.
+    /// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) for a device other
+    /// than CPU/CUDA or an unsupported dtype; [`AmpError::Torch`](crate::AmpError::Torch) when
+    /// libtorch refuses.
     pub fn new(device: Device, enabled: bool, dtype: Kind) -> Result<Self> {
         let previous = set_state(device, AutocastState { enabled, dtype })?;
         Ok(Self { device, previous, _not_send: PhantomData })

@@ -17,7 +17,7 @@ use crate::sys;
 /// so does the drop of the last active policy guard on a thread.
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] if libtorch fails (it does not in practice).
+/// [`AmpError::Torch`](crate::AmpError::Torch) if libtorch fails (it does not in practice).
 pub fn clear_cast_cache() -> Result<()> {
     sys::cast::cache_clear()?;
     sys::autocast_clear_cache()
@@ -26,7 +26,7 @@ pub fn clear_cast_cache() -> Result<()> {
 /// How many casts the calling thread's cache holds (diagnostics and tests).
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] if the engine cannot be queried.
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
 pub(crate) fn cast_cache_len() -> Result<usize> {
     sys::cast::cache_len()
 }

@@ -180,7 +180,7 @@ pub(crate) fn resolve(mode: CpuKernels, kind: Kind) -> CpuKernels {
 /// it.
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] if the shim call itself fails (not expected).
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the shim call itself fails (not expected).
 pub fn keep_freed_cpu_memory() -> Result<bool> {
     KEPT.get_or_try_init(sys::cpu::keep_freed_memory).copied()
 }

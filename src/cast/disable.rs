@@ -25,7 +25,7 @@ pub struct DisableCastsGuard {
 /// [`DisableCastsGuard`]). The optimizer step runs this way, as in Apex.
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] when libtorch refuses the autocast change.
+/// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses the autocast change.
 pub fn disable_casts() -> Result<DisableCastsGuard> {
     let cpu = AutocastGuard::new(Device::Cpu, false, autocast_state(Device::Cpu)?.dtype)?;
     let cuda = AutocastGuard::new(Device::Cuda(0), false, autocast_state(Device::Cuda(0))?.dtype)?;

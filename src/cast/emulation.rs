@@ -1,4 +1,5 @@
 //! The CPU low-precision emulation list (`opt_levels/emulate_cpu.toml`), as data.
+use crate::error::ConfigError;
 use serde::Deserialize;
 
 use super::policy::aten_overloads;
@@ -17,11 +18,12 @@ struct EmulationList {
 /// `opt_levels/emulate_cpu.toml` for the list and the numerical contract).
 ///
 /// # Errors
-/// [`AmpError::Parse`] or [`AmpError::UnknownOp`] if the embedded list does not match the linked
-/// libtorch (a packaging error, covered by the crate's tests).
+/// [`ConfigError::Parse`] or [`ConfigError::UnknownOp`] if the embedded list does not match the
+/// linked libtorch (a packaging error, covered by the crate's tests).
 pub fn emulated_ops() -> Result<Vec<String>> {
-    let list: EmulationList = toml::from_str(EMULATE_TOML)
-        .map_err(|e| AmpError::Parse { what: "opt_levels/emulate_cpu.toml".to_string(), message: e.to_string() })?;
+    let list: EmulationList = toml::from_str(EMULATE_TOML).map_err(|e| {
+        AmpError::Config(ConfigError::Parse { what: "opt_levels/emulate_cpu.toml".to_string(), message: e.to_string() })
+    })?;
     let mut ops = Vec::new();
     for entry in &list.ops {
         ops.extend(aten_overloads(entry)?);

@@ -8,6 +8,7 @@
 //! after that only builds it; activating it makes it the calling thread's policy and turns
 //! libtorch's autocast on for one device type, which is what routes that thread's ops through
 //! the kernels. Threads without an active policy keep libtorch's own behaviour, exactly.
+use crate::error::{ConfigError, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -56,10 +57,10 @@ static STANDARD_REGISTERED: OnceCell<()> = OnceCell::new();
 /// Installs `policy` with `settings` and returns its handle; the policy acts on a thread once
 /// activated there ([`PolicyHandle::activate`]).
 ///
-/// Several policies may be installed at once (one per model, one per thread...). The first
-/// install in a process registers tch-amp's kernels for good; do it before starting threads
-/// that run libtorch autocast concurrently, and keep user casts of ops outside the standard
-/// lists (which register more) to start-up as well.
+/// Several policies may be installed at once (one per model, one per thread...). The first install
+/// in a process registers tch-amp's kernels for good; do it before starting threads that run
+/// libtorch autocast concurrently, and keep user casts of ops outside the standard lists (which
+/// register more) to start-up as well.
 ///
 /// ```
 /// # fn main() -> Result<(), tch_amp::AmpError> {
@@ -83,17 +84,17 @@ static STANDARD_REGISTERED: OnceCell<()> = OnceCell::new();
 /// ```
 ///
 /// # Errors
-/// [`AmpError::InvalidOption`] when `settings.low_precision_dtype` is not `Half` or
-/// `BFloat16`; [`AmpError::UnknownOp`] / [`AmpError::Parse`] when the policy does not resolve
-/// (see [`CastPolicy::resolve`]); [`AmpError::Shim`] when libtorch refuses a registration
-/// (nothing is registered then).
+/// [`ConfigError::InvalidOption`] when `settings.low_precision_dtype` is not `Half` or `BFloat16`;
+/// [`ConfigError::UnknownOp`] / [`ConfigError::Parse`] when the policy does not resolve (see
+/// [`CastPolicy::resolve`]); [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses a
+/// registration (nothing is registered then).
 pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<PolicyHandle> {
     if !matches!(settings.low_precision_dtype, Kind::Half | Kind::BFloat16) {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "low_precision_dtype",
             value: format!("{:?}", settings.low_precision_dtype),
             expected: "Kind::Half or Kind::BFloat16",
-        });
+        }));
     }
     let mut owned: Vec<(Device, EngineCategory, String)> = Vec::new();
     for device in [Device::Cpu, Device::Cuda(0)] {
@@ -124,21 +125,22 @@ pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<Poli
 impl PolicyHandle {
     /// Makes this policy the calling thread's policy for `device`'s type (CPU or CUDA) until the
     /// guard is dropped: libtorch's autocast is turned on for that device type with
-    /// [`CastSettings::low_precision_dtype`], and tch-amp's kernels cast every op by the
-    /// policy's lists. Dropping the guard restores the previous policy and autocast state, also
-    /// during a panic; when it leaves the thread with no policy it also empties the thread's
-    /// weight-cast cache.
+    /// [`CastSettings::low_precision_dtype`], and tch-amp's kernels cast every op by the policy's
+    /// lists. Dropping the guard restores the previous policy and autocast state, also during a
+    /// panic; when it leaves the thread with no policy it also empties the thread's weight-cast
+    /// cache.
     ///
-    /// A backward pass run while the guard is alive is not cast (as under Apex, whose casts
-    /// never reached backward): its ops run in the dtypes the forward's casts gave them.
+    /// A backward pass run while the guard is alive is not cast (as under Apex, whose casts never
+    /// reached backward): its ops run in the dtypes the forward's casts gave them.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a device other than CPU/CUDA; [`AmpError::Shim`] when
-    /// libtorch refuses; [`AmpError::TorchAutocastActive`] while a torch.amp autocast scope
+    /// [`ConfigError::InvalidOption`] for a device other than CPU/CUDA;
+    /// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses;
+    /// [`UsageError::TorchAutocastActive`] while a torch.amp autocast scope
     /// ([`crate::AutocastScope`]) is alive on this thread.
     pub fn activate(&self, device: Device) -> Result<ActivePolicyGuard> {
         if super::autocast::torch_autocast_active() {
-            return Err(AmpError::TorchAutocastActive);
+            return Err(AmpError::Usage(UsageError::TorchAutocastActive));
         }
         let autocast = AutocastGuard::new(device, true, self.inner.settings.low_precision_dtype)?;
         let saved = engine::activate(Some(&self.inner.ptr))?;
@@ -201,17 +203,17 @@ pub(crate) fn kernels_registered() -> bool {
 /// Whether the calling thread has a tch-amp policy active.
 ///
 /// # Errors
-/// [`AmpError::Shim`] if the engine cannot be queried.
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
 pub(crate) fn policy_active() -> Result<bool> {
     engine::policy_active()
 }
 
-/// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured
-/// before tch-amp's kernels), as `"name"` or `"name.overload"`, sorted.
-/// `opt_levels/o1_torch.toml` is these lists, by category.
+/// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured before
+/// tch-amp's kernels), as `"name"` or `"name.overload"`, sorted. `opt_levels/o1_torch.toml` is
+/// these lists, by category.
 ///
 /// # Errors
-/// [`AmpError::InvalidOption`] for a device other than CPU/CUDA.
+/// [`ConfigError::InvalidOption`] for a device other than CPU/CUDA.
 pub(crate) fn libtorch_autocast_ops(device: Device) -> Result<Vec<String>> {
     engine::libtorch_autocast_ops(device)
 }

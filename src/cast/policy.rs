@@ -1,5 +1,6 @@
 //! O1's cast lists as data: which aten operators run in low precision, in fp32, in the widest
 //! input type, or not at all.
+use crate::error::ConfigError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Mutex;
@@ -23,8 +24,8 @@ pub enum Cast {
     /// Cast every floating input to the widest floating input type (fp64 wins and is never cast
     /// down); Apex's `CASTS` and `SEQUENCE_CASTS`.
     Promote,
-    /// Refuse fp16/bf16 inputs with [`AmpError::BannedOp`] (or run in fp32 when
-    /// [`crate::cast::CastSettings::allow_banned`] is set); Apex's `BANNED_FUNCS`.
+    /// Refuse fp16/bf16 inputs with [`OpRefused::BannedOp`](crate::error::OpRefused::BannedOp) (or
+    /// run in fp32 when [`crate::cast::CastSettings::allow_banned`] is set); Apex's `BANNED_FUNCS`.
     Banned,
 }
 
@@ -184,11 +185,12 @@ impl CastPolicy {
     /// against the dispatcher.
     ///
     /// # Errors
-    /// [`AmpError::Parse`] for malformed TOML, unknown keys or an overload put in two categories
-    /// at the same level; [`AmpError::UnknownOp`] for an entry naming no aten operator.
+    /// [`ConfigError::Parse`] for malformed TOML, unknown keys or an overload put in two categories
+    /// at the same level; [`ConfigError::UnknownOp`] for an entry naming no aten operator.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let policy: Self = toml::from_str(text)
-            .map_err(|e| AmpError::Parse { what: "cast policy TOML".to_string(), message: e.to_string() })?;
+        let policy: Self = toml::from_str(text).map_err(|e| {
+            AmpError::Config(ConfigError::Parse { what: "cast policy TOML".to_string(), message: e.to_string() })
+        })?;
         policy.validate()?;
         Ok(policy)
     }
@@ -196,9 +198,12 @@ impl CastPolicy {
     /// The policy as TOML (loadable with [`CastPolicy::from_toml_str`]).
     ///
     /// # Errors
-    /// [`AmpError::Parse`] if serialization fails (it does not for policies built by this crate).
+    /// [`ConfigError::Parse`] if serialization fails (it does not for policies built by this
+    /// crate).
     pub fn to_toml_string(&self) -> Result<String> {
-        toml::to_string(self).map_err(|e| AmpError::Parse { what: "cast policy".to_string(), message: e.to_string() })
+        toml::to_string(self).map_err(|e| {
+            AmpError::Config(ConfigError::Parse { what: "cast policy".to_string(), message: e.to_string() })
+        })
     }
 
     /// Checks every entry for CPU and CUDA (see [`CastPolicy::resolve`]).
@@ -216,19 +221,19 @@ impl CastPolicy {
     /// `"add_.Tensor"`). Ops absent from the map run in their inputs' dtypes.
     ///
     /// # Errors
-    /// [`AmpError::UnknownOp`] for an entry that names no aten operator (or an `out=`
-    /// overload); [`AmpError::Parse`] when one overload is in two categories at the same level;
-    /// [`AmpError::InvalidOption`] for a device other than CPU or CUDA.
+    /// [`ConfigError::UnknownOp`] for an entry that names no aten operator (or an `out=` overload);
+    /// [`ConfigError::Parse`] when one overload is in two categories at the same level;
+    /// [`ConfigError::InvalidOption`] for a device other than CPU or CUDA.
     pub fn resolve(&self, device: Device) -> Result<BTreeMap<String, Cast>> {
         let device_lists = match device {
             Device::Cpu => &self.cpu,
             Device::Cuda(_) => &self.cuda,
             other => {
-                return Err(AmpError::InvalidOption {
+                return Err(AmpError::Config(ConfigError::InvalidOption {
                     option: "device",
                     value: format!("{other:?}"),
                     expected: "Device::Cpu or Device::Cuda(_)",
-                })
+                }))
             }
         };
         // (level, cast, entry) per overload; a higher level wins.
@@ -238,13 +243,13 @@ impl CastPolicy {
             for op in aten_overloads(entry)? {
                 match chosen.get(&op) {
                     Some((l, c, first)) if *l == level && *c != cast => {
-                        return Err(AmpError::Parse {
+                        return Err(AmpError::Config(ConfigError::Parse {
                             what: format!("cast policy {:?}", self.name),
                             message: format!(
                                 "aten::{op} is both {c:?} (from entry {first:?}) and {cast:?} (from entry {entry:?}); \
                                  remove one of the entries"
                             ),
-                        })
+                        }))
                     }
                     Some((l, _, _)) if *l > level => {}
                     _ => {
@@ -278,11 +283,12 @@ impl CastPolicy {
         Ok(())
     }
 
-    /// Casts `op` (an entry, see the [entry syntax](crate::CastPolicy#entries)) to the low-precision dtype, whatever
-    /// the lists say. Apex's `amp.register_half_function`; takes effect at the next install.
+    /// Casts `op` (an entry, see the [entry syntax](crate::CastPolicy#entries)) to the
+    /// low-precision dtype, whatever the lists say. Apex's `amp.register_half_function`; takes
+    /// effect at the next install.
     ///
     /// # Errors
-    /// [`AmpError::UnknownOp`] when `op` names no aten operator.
+    /// [`ConfigError::UnknownOp`] when `op` names no aten operator.
     pub fn register_half_function(&mut self, op: &str) -> Result<()> {
         self.register(op, Cast::LowPrecision)
     }
@@ -290,7 +296,7 @@ impl CastPolicy {
     /// Casts `op` to fp32, whatever the lists say. Apex's `amp.register_float_function`.
     ///
     /// # Errors
-    /// [`AmpError::UnknownOp`] when `op` names no aten operator.
+    /// [`ConfigError::UnknownOp`] when `op` names no aten operator.
     pub fn register_float_function(&mut self, op: &str) -> Result<()> {
         self.register(op, Cast::Fp32)
     }
@@ -298,7 +304,7 @@ impl CastPolicy {
     /// Casts `op`'s inputs to the widest input type. Apex's `amp.register_promote_function`.
     ///
     /// # Errors
-    /// [`AmpError::UnknownOp`] when `op` names no aten operator.
+    /// [`ConfigError::UnknownOp`] when `op` names no aten operator.
     pub fn register_promote_function(&mut self, op: &str) -> Result<()> {
         self.register(op, Cast::Promote)
     }
@@ -307,11 +313,12 @@ impl CastPolicy {
     /// [`UserCasts`]). Nothing is registered unless every entry is valid.
     ///
     /// # Errors
-    /// [`AmpError::Parse`] for malformed TOML or unknown keys; [`AmpError::UnknownOp`] for an
+    /// [`ConfigError::Parse`] for malformed TOML or unknown keys; [`ConfigError::UnknownOp`] for an
     /// entry naming no aten operator.
     pub fn add_user_casts_toml(&mut self, text: &str) -> Result<()> {
-        let casts: UserCasts = toml::from_str(text)
-            .map_err(|e| AmpError::Parse { what: "user casts TOML".to_string(), message: e.to_string() })?;
+        let casts: UserCasts = toml::from_str(text).map_err(|e| {
+            AmpError::Config(ConfigError::Parse { what: "user casts TOML".to_string(), message: e.to_string() })
+        })?;
         let mut next = self.clone();
         for (cast, list) in casts.lists() {
             for op in list {
@@ -329,7 +336,7 @@ impl CastPolicy {
     /// [`CastPolicy::add_user_casts_toml`].
     pub fn load_user_casts(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| AmpError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| AmpError::read(path, source))?;
         self.add_user_casts_toml(&text)
     }
 }
@@ -355,15 +362,15 @@ fn display(name: &str, overload: &str) -> String {
     }
 }
 
-/// The exact aten overloads a list entry names (see the [entry syntax](crate::CastPolicy#entries)): `"exp"` gives
-/// `["exp", "exp_"]`, `"softmax"` gives `["softmax.int"]`, `"pow.Scalar"` gives
+/// The exact aten overloads a list entry names (see the [entry syntax](crate::CastPolicy#entries)):
+/// `"exp"` gives `["exp", "exp_"]`, `"softmax"` gives `["softmax.int"]`, `"pow.Scalar"` gives
 /// `["pow.Scalar"]`, `"mm.default"` gives `["mm"]`.
 ///
 /// # Errors
-/// [`AmpError::UnknownOp`] when the entry names no operator, or names an overload that does not
+/// [`ConfigError::UnknownOp`] when the entry names no operator, or names an overload that does not
 /// exist or has an `out=` argument (the message lists the overloads there are).
 pub fn aten_overloads(entry: &str) -> Result<Vec<String>> {
-    let unknown = |message: String| AmpError::UnknownOp { name: entry.to_string(), message };
+    let unknown = |message: String| AmpError::Config(ConfigError::UnknownOp { name: entry.to_string(), message });
     if entry.is_empty() || entry.contains(char::is_whitespace) || entry.contains("::") {
         return Err(unknown(
             "expected an aten operator name such as \"mm\" or \"pow.Tensor_Scalar\", \

@@ -1,4 +1,5 @@
 //! Writing and reading the checkpoint file (see the module above).
+use crate::error::StateError;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -90,11 +91,11 @@ fn st_dtype(kind: Kind) -> Result<Dtype> {
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
         other => {
-            return Err(AmpError::DtypeMismatch {
+            return Err(AmpError::State(StateError::DtypeMismatch {
                 name: "a checkpointed tensor".into(),
                 expected: "a dtype safetensors stores",
                 found: other,
-            })
+            }))
         }
     })
 }
@@ -196,7 +197,7 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
 /// temporary file in the same folder, synced, renamed over `path`, the folder synced).
 ///
 /// # Errors
-/// [`AmpError::Save`] when the file cannot be written (any previous file at `path` is left
+/// [`AmpError::Io`](crate::AmpError::Io) when the file cannot be written (any previous file at `path` is left
 /// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
 pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&AmpOptimizer], amp: &Amp) -> Result<()> {
     save_checkpoint_with(path, vs, optimizers, amp, &TrainingState::default())
@@ -221,8 +222,7 @@ pub fn save_checkpoint_with(
     for (name, t) in &extra.tensors {
         tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
     }
-    let save_err =
-        |message: String| AmpError::Save { path: path.to_path_buf(), source: std::io::Error::other(message) };
+    let save_err = |message: String| AmpError::write(path, std::io::Error::other(message));
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(k, h)| {
@@ -242,7 +242,7 @@ pub fn save_checkpoint_with(
     let header = std::collections::HashMap::from([(METADATA_KEY.to_string(), json)]);
     let bytes =
         safetensors::tensor::serialize(views, &Some(header)).map_err(|e| save_err(format!("serializing: {e:?}")))?;
-    crate::atomic_file::write(path, &bytes).map_err(|source| AmpError::Save { path: path.to_path_buf(), source })
+    crate::atomic_file::write(path, &bytes).map_err(|source| AmpError::write(path, source))
 }
 
 fn view_to_tensor(name: &str, v: &TensorView<'_>) -> Result<Tensor> {
@@ -325,18 +325,18 @@ fn read_record(
 /// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`).
 /// Variables keep their current dtype: fp16 model variables are set to the saved fp32 values
 /// rounded, which is exact for values saved from fp16 or from masters (unlike `VarStore::load`,
-/// nothing is silently recast). Everything is checked before anything is changed: the
-/// metadata (every field required), every tensor's presence, dtype and shape, finite values in
-/// weights and optimizer state, the optimizer kinds and the AMP state.
+/// nothing is silently recast). Everything is checked before anything is changed: the metadata
+/// (every field required), every tensor's presence, dtype and shape, finite values in weights and
+/// optimizer state, the optimizer kinds and the AMP state.
 ///
-/// Which values come from the file, as with torch's `optimizer.load_state_dict`: every
-/// parameter group's learning rate, hyper-parameters (weight decay, betas, momentum, ...) and
-/// step count, the optimizer's default learning rate and its step/skip counts. The optimizers
-/// must run the same update rule with the same default hyper-parameters as the saved ones (a
-/// typed error otherwise); a group built with other values than the file's takes the file's.
+/// Which values come from the file, as with torch's `optimizer.load_state_dict`: every parameter
+/// group's learning rate, hyper-parameters (weight decay, betas, momentum, ...) and step count, the
+/// optimizer's default learning rate and its step/skip counts. The optimizers must run the same
+/// update rule with the same default hyper-parameters as the saved ones (a typed error otherwise);
+/// a group built with other values than the file's takes the file's.
 ///
 /// # Errors
-/// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign or
+/// [`AmpError::Io`] if the file cannot be read; [`StateError::StateMismatch`] for a foreign or
 /// damaged file, another opt level, a missing or extra variable, a shape, dtype or optimizer
 /// mismatch, non-finite values, or an invalid AMP state. In every error case the model, the
 /// optimizers and `amp` are untouched.
@@ -394,7 +394,7 @@ pub fn load_checkpoint(
         }
         let record = read_record(&st, i, m, &staged, &with_master, &mut consumed)?;
         staged_records.push(o.stage_record(record).map_err(|e| match e {
-            AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
+            AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
             other => other,
         })?);
     }
@@ -419,11 +419,10 @@ pub fn load_checkpoint(
 }
 
 /// The [`TrainingState`] a [`save_checkpoint_with`] wrote into `path` (empty for a checkpoint
-/// written without one). The file's format is checked; the model and optimizer parts are not
-/// read.
+/// written without one). The file's format is checked; the model and optimizer parts are not read.
 ///
 /// # Errors
-/// [`AmpError::Io`] if the file cannot be read; [`AmpError::StateMismatch`] for a foreign or
+/// [`AmpError::Io`] if the file cannot be read; [`StateError::StateMismatch`] for a foreign or
 /// damaged file.
 pub fn read_training_state(path: impl AsRef<Path>) -> Result<TrainingState> {
     let path = path.as_ref();
@@ -441,7 +440,7 @@ pub fn read_training_state(path: impl AsRef<Path>) -> Result<TrainingState> {
 
 /// Reads `path` and its metadata (format checked).
 fn open(path: &Path) -> Result<(Vec<u8>, Metadata)> {
-    let bytes = std::fs::read(path).map_err(|source| AmpError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| AmpError::read(path, source))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| mismatch(format!("{}: not a safetensors file ({e:?})", path.display())))?;
     let json = header.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)).ok_or_else(|| {
@@ -517,22 +516,22 @@ impl LoadReport {
 }
 
 /// Loads only the model weights of a checkpoint written by [`save_checkpoint`] (torch's
-/// `model.load_state_dict(checkpoint["model"], strict)`): every variable of `vs` found in the
-/// file gets its saved value (the fp32 value rounded to an fp16 variable's dtype), and so do
-/// the fp32 masters of `optimizers` (exactly: the file holds the masters' values), so that the
-/// next step does not overwrite the loaded weights with stale masters. Pass every optimizer
-/// over `vs` (none for inference). The opt level, optimizer state and loss scale are not
-/// touched; a checkpoint of another opt level loads as well.
+/// `model.load_state_dict(checkpoint["model"], strict)`): every variable of `vs` found in the file
+/// gets its saved value (the fp32 value rounded to an fp16 variable's dtype), and so do the fp32
+/// masters of `optimizers` (exactly: the file holds the masters' values), so that the next step
+/// does not overwrite the loaded weights with stale masters. Pass every optimizer over `vs` (none
+/// for inference). The opt level, optimizer state and loss scale are not touched; a checkpoint of
+/// another opt level loads as well.
 ///
-/// `strict`: every variable of `vs` and no other must be in the file, else nothing is loaded
-/// and the error names them. Not strict: the variables found are loaded and the report lists
-/// the variables of `vs` the file lacks (`missing_keys`, left as they were) and the file's
-/// variables `vs` lacks (`unexpected_keys`, ignored). A shape or dtype mismatch is an error
-/// either way (as in torch).
+/// `strict`: every variable of `vs` and no other must be in the file, else nothing is loaded and
+/// the error names them. Not strict: the variables found are loaded and the report lists the
+/// variables of `vs` the file lacks (`missing_keys`, left as they were) and the file's variables
+/// `vs` lacks (`unexpected_keys`, ignored). A shape or dtype mismatch is an error either way (as in
+/// torch).
 ///
 /// # Errors
-/// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, a shape or
-/// dtype mismatch or non-finite values; [`AmpError::IncompatibleKeys`] (strict) for missing or
+/// [`AmpError::Io`]; [`StateError::StateMismatch`] for a foreign or damaged file, a shape or dtype
+/// mismatch or non-finite values; [`StateError::IncompatibleKeys`] (strict) for missing or
 /// unexpected variables. Nothing is changed then.
 pub fn load_model_weights(
     path: impl AsRef<Path>,
@@ -560,11 +559,11 @@ pub fn load_model_weights(
     }
     report.unexpected_keys = saved.into_iter().filter(|n| !vars.contains_key(n)).collect();
     if strict && !report.is_complete() {
-        return Err(AmpError::IncompatibleKeys {
+        return Err(AmpError::State(StateError::IncompatibleKeys {
             what: "model weights".to_string(),
             missing_keys: report.missing_keys,
             unexpected_keys: report.unexpected_keys,
-        });
+        }));
     }
     let _no_grad = tch::no_grad_guard();
     for (name, t) in &staged {
@@ -578,24 +577,23 @@ pub fn load_model_weights(
 }
 
 /// Loads only the optimizer state of a checkpoint written by [`save_checkpoint`] (torch's
-/// `optimizer.load_state_dict(checkpoint["optimizer"])`): for each optimizer, the state
-/// tensors and step count of each parameter, the groups' learning rates, hyper-parameters and
-/// step counts, the default learning rate and the step/skip counters. Model weights and fp32
-/// masters are not touched ([`load_model_weights`] loads both), nor the loss scale. The
-/// optimizers must run the same rule with the same default hyper-parameters as the saved ones
-/// (the i-th given is the checkpoint's i-th).
+/// `optimizer.load_state_dict(checkpoint["optimizer"])`): for each optimizer, the state tensors and
+/// step count of each parameter, the groups' learning rates, hyper-parameters and step counts, the
+/// default learning rate and the step/skip counters. Model weights and fp32 masters are not touched
+/// ([`load_model_weights`] loads both), nor the loss scale. The optimizers must run the same rule
+/// with the same default hyper-parameters as the saved ones (the i-th given is the checkpoint's
+/// i-th).
 ///
-/// `strict`: each optimizer must cover the same parameters in the same groups as the saved
-/// one, and as many optimizers must be given as were saved. Not strict: parameters and groups
-/// are matched by name and id; those of the optimizer the file lacks keep their state
-/// (`missing_keys`), those of the file the optimizer lacks are ignored (`unexpected_keys`;
-/// groups as `param_groups.<id>`), and saved optimizers beyond those given are ignored. One
-/// report per optimizer given.
+/// `strict`: each optimizer must cover the same parameters in the same groups as the saved one, and
+/// as many optimizers must be given as were saved. Not strict: parameters and groups are matched by
+/// name and id; those of the optimizer the file lacks keep their state (`missing_keys`), those of
+/// the file the optimizer lacks are ignored (`unexpected_keys`; groups as `param_groups.<id>`), and
+/// saved optimizers beyond those given are ignored. One report per optimizer given.
 ///
 /// # Errors
-/// [`AmpError::Io`]; [`AmpError::StateMismatch`] for a foreign or damaged file, another rule
-/// or other defaults, state tensors of the wrong shape, dtype or values, or (strict) the same
-/// parameters in other groups or another order; [`AmpError::IncompatibleKeys`] (strict) for
+/// [`AmpError::Io`]; [`StateError::StateMismatch`] for a foreign or damaged file, another rule or
+/// other defaults, state tensors of the wrong shape, dtype or values, or (strict) the same
+/// parameters in other groups or another order; [`StateError::IncompatibleKeys`] (strict) for
 /// parameters or groups on one side only. Nothing is changed then.
 pub fn load_optimizer_state(
     path: impl AsRef<Path>,
@@ -618,9 +616,13 @@ pub fn load_optimizer_state(
         let no_masters = vec![false; m.params.len()];
         let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
         staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
-            AmpError::StateMismatch { message } => mismatch(format!("optimizer {i}: {message}")),
-            AmpError::IncompatibleKeys { missing_keys, unexpected_keys, .. } => {
-                AmpError::IncompatibleKeys { what: format!("optimizer {i} state"), missing_keys, unexpected_keys }
+            AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
+            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, .. }) => {
+                AmpError::State(StateError::IncompatibleKeys {
+                    what: format!("optimizer {i} state"),
+                    missing_keys,
+                    unexpected_keys,
+                })
             }
             other => other,
         })?);

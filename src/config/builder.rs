@@ -1,5 +1,6 @@
 //! The builder for `initialize`'s options: an opt level plus Apex's keyword overrides.
 //! [`AmpConfig::build`] (in `rules.rs`) checks Apex's rules and resolves [`super::Properties`].
+use crate::error::ConfigError;
 use tch::Kind;
 
 use super::table::parse_dtype;
@@ -60,7 +61,7 @@ impl AmpConfig {
     /// keyword arguments (`"True"`/`"False"`/`"None"`, `"dynamic"`, `"torch.float16"`, ...).
     ///
     /// # Errors
-    /// [`AmpError::UnknownOptLevel`] (it is the letter O), [`AmpError::InvalidOption`] for a
+    /// [`ConfigError::UnknownOptLevel`] (it is the letter O), [`ConfigError::InvalidOption`] for a
     /// value that does not parse or an unknown option name.
     pub fn from_apex(opt_level: &str, overrides: &[(&str, &str)]) -> Result<Self> {
         let mut cfg = Self::new(opt_level.parse()?);
@@ -77,18 +78,16 @@ impl AmpConfig {
                 "True" | "true" => Ok(Some(true)),
                 "False" | "false" => Ok(Some(false)),
                 "None" | "none" => Ok(None),
-                _ => Err(AmpError::InvalidOption {
+                _ => Err(AmpError::Config(ConfigError::InvalidOption {
                     option,
                     value: value.to_string(),
                     expected: "a boolean, the string 'True' or 'False', or None",
-                }),
+                })),
             }
         };
         let number = |option: &'static str| -> Result<f64> {
-            v.parse::<f64>().map_err(|_| AmpError::InvalidOption {
-                option,
-                value: value.to_string(),
-                expected: "a number",
+            v.parse::<f64>().map_err(|_| {
+                AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected: "a number" })
             })
         };
         match name {
@@ -108,38 +107,44 @@ impl AmpConfig {
                 self.cast_model_outputs = if v == "None" { None } else { Some(parse_dtype("cast_model_outputs", v)?) }
             }
             "num_losses" => {
-                self.num_losses = Some(v.parse().map_err(|_| AmpError::InvalidOption {
-                    option: "num_losses",
-                    value: value.to_string(),
-                    expected: "a positive integer",
+                self.num_losses = Some(v.parse().map_err(|_| {
+                    AmpError::Config(ConfigError::InvalidOption {
+                        option: "num_losses",
+                        value: value.to_string(),
+                        expected: "a positive integer",
+                    })
                 })?)
             }
             "min_loss_scale" => self.min_loss_scale = if v == "None" { None } else { Some(number("min_loss_scale")?) },
             "max_loss_scale" => self.max_loss_scale = Some(number("max_loss_scale")?),
             "hysteresis" => {
-                self.hysteresis = Some(v.parse().map_err(|_| AmpError::InvalidOption {
-                    option: "hysteresis",
-                    value: value.to_string(),
-                    expected: "a positive integer (DeepSpeed's fp16 \"hysteresis\"; 1 is Apex's scaler)",
+                self.hysteresis = Some(v.parse().map_err(|_| {
+                    AmpError::Config(ConfigError::InvalidOption {
+                        option: "hysteresis",
+                        value: value.to_string(),
+                        expected: "a positive integer (DeepSpeed's fp16 \"hysteresis\"; 1 is Apex's scaler)",
+                    })
                 })?)
             }
             "consecutive_hysteresis" => self.consecutive_hysteresis = bool_opt("consecutive_hysteresis")?,
             "verbosity" => {
-                self.verbosity = Some(v.parse().map_err(|_| AmpError::InvalidOption {
-                    option: "verbosity",
-                    value: value.to_string(),
-                    expected: "0, 1 or 2",
+                self.verbosity = Some(v.parse().map_err(|_| {
+                    AmpError::Config(ConfigError::InvalidOption {
+                        option: "verbosity",
+                        value: value.to_string(),
+                        expected: "0, 1 or 2",
+                    })
                 })?)
             }
             _ => {
-                return Err(AmpError::InvalidOption {
+                return Err(AmpError::Config(ConfigError::InvalidOption {
                     option: "option name",
                     value: name.to_string(),
                     expected: "one of Apex's initialize options: enabled, cast_model_type, patch_torch_functions, \
                                keep_batchnorm_fp32, master_weights, loss_scale, cast_model_outputs, num_losses, \
                                min_loss_scale, max_loss_scale, verbosity; or DeepSpeed's fp16 options \
                                hysteresis, consecutive_hysteresis",
-                })
+                }))
             }
         }
         Ok(self)
@@ -269,12 +274,12 @@ impl AmpConfig {
         self
     }
     /// How many consecutive bad passes at the scale's floor end training with
-    /// [`AmpError::ScaleCollapsed`] from `step()` (default
-    /// [`crate::scaling::LossScaler::DEFAULT_COLLAPSE_LIMIT`], 20; 0 turns the check off, as in Apex,
-    /// which skips forever). Bad passes are overflows with the scale already at its floor (a
-    /// loss that is NaN at every step), or clean passes at the floor whose gradients are all
-    /// exactly zero (the scaled gradients underflowed: the model silently stopped learning).
-    /// A static scale checked with [`Self::check_static_overflow`] is always at its floor.
+    /// [`Divergence::ScaleCollapsed`](crate::error::Divergence::ScaleCollapsed) from `step()`
+    /// (default [`crate::scaling::LossScaler::DEFAULT_COLLAPSE_LIMIT`], 20; 0 turns the check off,
+    /// as in Apex, which skips forever). Bad passes are overflows with the scale already at its
+    /// floor (a loss that is NaN at every step), or clean passes at the floor whose gradients are
+    /// all exactly zero (the scaled gradients underflowed: the model silently stopped learning). A
+    /// static scale checked with [`Self::check_static_overflow`] is always at its floor.
     pub fn collapse_limit(mut self, n: u32) -> Self {
         self.collapse_limit = Some(n);
         self
@@ -295,12 +300,13 @@ impl AmpConfig {
         self.scale_history_len = Some(n);
         self
     }
-    /// Opt-in overflow check for static scales (default off, as Apex: a static scale never
-    /// checks, and at O0/O3 a NaN loss reaches the weights). When on, a static scaler checks
-    /// the new gradients for inf/NaN at every `scale_loss` exit (one fused pass and one host
-    /// sync, as a dynamic scaler), skips the step on overflow with the same diagnostics, and
-    /// never changes its scale; [`Self::collapse_limit`] consecutive overflows end in
-    /// [`AmpError::ScaleCollapsed`]. At O0/O3 the loss then no longer passes straight through.
+    /// Opt-in overflow check for static scales (default off, as Apex: a static scale never checks,
+    /// and at O0/O3 a NaN loss reaches the weights). When on, a static scaler checks the new
+    /// gradients for inf/NaN at every `scale_loss` exit (one fused pass and one host sync, as a
+    /// dynamic scaler), skips the step on overflow with the same diagnostics, and never changes its
+    /// scale; [`Self::collapse_limit`] consecutive overflows end in
+    /// [`Divergence::ScaleCollapsed`](crate::error::Divergence::ScaleCollapsed). At O0/O3 the loss
+    /// then no longer passes straight through.
     pub fn check_static_overflow(mut self, on: bool) -> Self {
         self.check_static_overflow = Some(on);
         self

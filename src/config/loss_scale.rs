@@ -1,4 +1,5 @@
 //! Static or dynamic loss scaling, as Apex's `loss_scale` argument.
+use crate::error::ConfigError;
 use std::fmt;
 use std::str::FromStr;
 
@@ -18,10 +19,12 @@ impl FromStr for LossScale {
     type Err = AmpError;
     /// `"dynamic"` or a number (`"128"`, `"1.0"`), as Apex's `loss_scale` argument.
     fn from_str(s: &str) -> Result<Self, AmpError> {
-        let invalid = || AmpError::InvalidOption {
-            option: "loss_scale",
-            value: s.to_string(),
-            expected: "\"dynamic\" or a finite positive number",
+        let invalid = || {
+            AmpError::Config(ConfigError::InvalidOption {
+                option: "loss_scale",
+                value: s.to_string(),
+                expected: "\"dynamic\" or a finite positive number",
+            })
         };
         if s.trim() == "dynamic" {
             return Ok(LossScale::Dynamic);
@@ -41,11 +44,11 @@ impl LossScale {
     /// Checks that a static scale is finite and positive.
     pub(crate) fn validated(self) -> Result<Self, AmpError> {
         match self {
-            LossScale::Static(v) if !(v.is_finite() && v > 0.0) => Err(AmpError::InvalidOption {
+            LossScale::Static(v) if !(v.is_finite() && v > 0.0) => Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "loss_scale",
                 value: v.to_string(),
                 expected: "\"dynamic\" or a finite positive number",
-            }),
+            })),
             other => Ok(other),
         }
     }

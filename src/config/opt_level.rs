@@ -26,8 +26,9 @@ impl fmt::Display for OptLevel {
     }
 }
 
-/// A name that is not an opt level. Converts into [`crate::AmpError::UnknownOptLevel`] (so
-/// `?` works in functions returning tch-amp's `Result`).
+/// A name that is not an opt level. Converts into
+/// [`ConfigError::UnknownOptLevel`](crate::error::ConfigError::UnknownOptLevel) (so `?` works in
+/// functions returning tch-amp's `Result`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown opt level {name:?}: expected \"O0\", \"O1\", \"O2\" or \"O3\" (the letter O, not the number zero)")]
 pub struct ParseOptLevelError {

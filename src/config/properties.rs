@@ -121,7 +121,8 @@ impl Properties {
     pub fn consecutive_hysteresis(&self) -> bool {
         self.consecutive_hysteresis
     }
-    /// Consecutive bad passes at the floor before [`crate::AmpError::ScaleCollapsed`] (0: never).
+    /// Consecutive bad passes at the floor before
+    /// [`Divergence::ScaleCollapsed`](crate::error::Divergence::ScaleCollapsed) (0: never).
     pub fn collapse_limit(&self) -> u32 {
         self.collapse_limit
     }

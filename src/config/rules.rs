@@ -1,5 +1,6 @@
 //! [`AmpConfig::build`]: Apex's rule checks (what `amp.initialize` rejects), then the
 //! resolution of the level's row and the overrides into [`Properties`].
+use crate::error::ConfigError;
 use tch::Kind;
 
 use super::scale_constants as consts;
@@ -8,11 +9,11 @@ use crate::cast::{CastPolicy, CastSettings};
 use crate::error::{AmpError, Result};
 
 fn incompatible(level: OptLevel, option: &'static str, why: &'static str) -> AmpError {
-    AmpError::IncompatibleOption { level, option, why }
+    AmpError::Config(ConfigError::IncompatibleOption { level, option, why })
 }
 
 fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -> AmpError {
-    AmpError::InvalidOption { option, value: value.to_string(), expected }
+    AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
 /// A scale (or floor, or cap) within [`crate::scaling::LossScaler::SCALE_RANGE`].
@@ -34,13 +35,13 @@ impl AmpConfig {
     /// Applies the overrides to the level's defaults and checks Apex's rules.
     ///
     /// # Errors
-    /// [`AmpError::IncompatibleOption`] for what Apex rejects: `cast_model_type` other than
+    /// [`ConfigError::IncompatibleOption`] for what Apex rejects: `cast_model_type` other than
     /// fp32/`None` under O1, `patch_torch_functions` outside O1, `keep_batchnorm_fp32` or
     /// `master_weights` set under O1, and (tch-amp) a `cast_policy` outside O1;
-    /// [`AmpError::InvalidOption`] for a loss scale, `min_loss_scale` or `max_loss_scale`
-    /// outside [`crate::scaling::LossScaler::SCALE_RANGE`] (2^-126 to 2^127), min above max, a hysteresis or
-    /// recovery growth interval of 0,
-    /// `num_losses == 0`, or a low-precision dtype other than fp16/bf16.
+    /// [`ConfigError::InvalidOption`] for a loss scale, `min_loss_scale` or `max_loss_scale`
+    /// outside [`crate::scaling::LossScaler::SCALE_RANGE`] (2^-126 to 2^127), min above max, a
+    /// hysteresis or recovery growth interval of 0, `num_losses == 0`, or a low-precision dtype
+    /// other than fp16/bf16.
     pub fn build(&self) -> Result<Properties> {
         self.check_apex_rules()?;
         self.resolve()

@@ -1,5 +1,6 @@
 //! Apex's opt-level property table (`apex/amp/frontend.py`, classes `O0`..`O3`), one const row
 //! per level.
+use crate::error::ConfigError;
 use tch::Kind;
 
 use super::loss_scale::LossScale;
@@ -83,10 +84,10 @@ pub(crate) fn parse_dtype(option: &'static str, s: &str) -> Result<Kind> {
         "float16" | "half" | "fp16" => Ok(Kind::Half),
         "bfloat16" | "bf16" => Ok(Kind::BFloat16),
         "float32" | "float" | "fp32" => Ok(Kind::Float),
-        _ => Err(AmpError::InvalidOption {
+        _ => Err(AmpError::Config(ConfigError::InvalidOption {
             option,
             value: s.to_string(),
             expected: "\"float16\", \"bfloat16\" or \"float32\"",
-        }),
+        })),
     }
 }

@@ -39,11 +39,12 @@ pub enum DistError {
         /// What is accepted.
         expected: &'static str,
     },
-    /// The rendezvous (TCPStore, then the backend's connections) did not complete.
+    /// The rendezvous (TCPStore, then the backend's connections) did not complete. Start every
+    /// rank with the same `MASTER_ADDR`, `MASTER_PORT` and `WORLD_SIZE`, each with its own
+    /// `RANK`, and make sure the port is free on rank 0.
     #[error(
-        "rendezvous of rank {rank} (world size {world_size}) at {addr}:{port} failed after {elapsed:?} (timeout \
-         {timeout:?} per stage): {message}; start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, each with its own \
-         RANK, and make sure the port is free on rank 0"
+        "rendezvous of rank {rank}/{world_size} at {addr}:{port} failed after {elapsed:?} (timeout {timeout:?} per \
+         stage): {message}; check MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK on every rank"
     )]
     Rendezvous {
         /// MASTER_ADDR.

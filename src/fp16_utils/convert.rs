@@ -2,6 +2,7 @@
 //! `convert_network` and `FP16Model`: every floating variable of the `VarStore` to fp16 except
 //! those of affine batch norms (a module holding `weight`, `running_mean` and `running_var`),
 //! which stay (or become) fp32; the returned model casts its floating inputs to fp16.
+use crate::error::ConfigError;
 use tch::nn::VarStore;
 use tch::Kind;
 
@@ -32,19 +33,18 @@ pub fn fp16_model<M>(vs: &VarStore, model: M) -> Result<(AmpModel<M>, CastReport
     Ok((AmpModel::new(model, Some(Kind::Half), None), report))
 }
 
-/// Apex's `convert_network(network, dtype)`: every floating variable to `kind` except those
-/// of affine batch norms, which are left as they are.
+/// Apex's `convert_network(network, dtype)`: every floating variable to `kind` except those of
+/// affine batch norms, which are left as they are.
 ///
 /// # Errors
-/// [`crate::AmpError::InvalidOption`] for a `kind` that is not floating; as
-/// [`network_to_half`].
+/// [`ConfigError::InvalidOption`] for a `kind` that is not floating; as [`network_to_half`].
 pub fn convert_network(vs: &VarStore, kind: Kind) -> Result<CastReport> {
     if !crate::dtype::is_floating(kind) {
-        return Err(crate::AmpError::InvalidOption {
+        return Err(crate::AmpError::Config(ConfigError::InvalidOption {
             option: "dtype",
             value: format!("{kind:?}"),
             expected: "a floating dtype (Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double)",
-        });
+        }));
     }
     crate::model::cast_var_store_as(vs, kind, crate::model::BatchNormCast::Keep)
 }

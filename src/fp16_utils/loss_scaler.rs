@@ -1,6 +1,7 @@
 //! The stand-alone scaler classes of `apex.fp16_utils.loss_scaler`: [`StaticLossScaler`]
 //! (Apex's `LossScaler`) and [`DynamicLossScaler`], for scripts that scaled by hand
 //! (`FP16_Optimizer` itself used amp's scaler; see [`super::DynamicLossArgs`]).
+use crate::error::ConfigError;
 use tch::{Kind, Tensor};
 
 use crate::error::{AmpError, Result, TorchContext};
@@ -15,14 +16,14 @@ impl StaticLossScaler {
     /// A scaler with a fixed `scale`.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a scale that is not finite and positive.
+    /// [`ConfigError::InvalidOption`] for a scale that is not finite and positive.
     pub fn new(scale: f64) -> Result<Self> {
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(AmpError::InvalidOption {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "scale",
                 value: scale.to_string(),
                 expected: "a finite positive number",
-            });
+            }));
         }
         Ok(Self { cur_scale: scale })
     }
@@ -70,13 +71,11 @@ impl DynamicLossScaler {
     /// A scaler with Apex's arguments.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for an `init_scale` that is not finite and positive, a
+    /// [`ConfigError::InvalidOption`] for an `init_scale` that is not finite and positive, a
     /// `scale_factor` not above 1, or a `scale_window` of 0 (Apex divided by it).
     pub fn new(init_scale: f64, scale_factor: f64, scale_window: u64) -> Result<Self> {
-        let bad = |option: &'static str, value: String, expected: &'static str| AmpError::InvalidOption {
-            option,
-            value,
-            expected,
+        let bad = |option: &'static str, value: String, expected: &'static str| {
+            AmpError::Config(ConfigError::InvalidOption { option, value, expected })
         };
         if !(init_scale.is_finite() && init_scale > 0.0) {
             return Err(bad("init_scale", init_scale.to_string(), "a finite positive number"));

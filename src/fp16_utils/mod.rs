@@ -1,7 +1,7 @@
 //! Apex's legacy API, `apex.fp16_utils`, as a thin layer over tch-amp's core, so that scripts
 //! written before `amp` port line by line: [`Fp16Optimizer`] (`FP16_Optimizer`), the model
-//! conversions [`network_to_half`], [`bn_convert_float`], [`convert_network`],
-//! [`fp16_model`] (`FP16Model`), and the manual master-weight recipe [`prep_param_lists`],
+//! conversions [`network_to_half`], [`bn_convert_float`], [`convert_network`], [`fp16_model`]
+//! (`FP16Model`), and the manual master-weight recipe [`prep_param_lists`],
 //! [`model_grads_to_master_grads`], [`master_params_to_model_params`], [`to_python_float`],
 //! [`clip_grad_norm`], and the stand-alone scalers [`StaticLossScaler`] (`LossScaler`) and
 //! [`DynamicLossScaler`].
@@ -49,25 +49,24 @@
 //! ```
 //!
 //! Where this differs from Apex, and why:
-//! - `FP16_Optimizer` wrapped a ready torch optimizer; here it is built from the
-//!   optimizer's configuration, over every trainable variable of a `VarStore` (tch parameter
-//!   groups are torch's `param_groups`, ascending).
-//! - The dynamic scale is amp's `LossScaler`, as `FP16_Optimizer` used at e13873de (2^16,
-//!   window 2000, cap 2^24), not the legacy `DynamicLossScaler` class; `scale_factor` must be
-//!   2 (Apex ignored it); an unset `min_loss_scale` means tch-amp's floor of 2^-24 (Apex had
-//!   none).
+//! - `FP16_Optimizer` wrapped a ready torch optimizer; here it is built from the optimizer's
+//!   configuration, over every trainable variable of a `VarStore` (tch parameter groups are torch's
+//!   `param_groups`, ascending).
+//! - The dynamic scale is amp's `LossScaler`, as `FP16_Optimizer` used at e13873de (2^16, window
+//!   2000, cap 2^24), not the legacy `DynamicLossScaler` class; `scale_factor` must be 2 (Apex
+//!   ignored it); an unset `min_loss_scale` means tch-amp's floor of 2^-24 (Apex had none).
 //! - `step()` returns whether it stepped and refuses to run without a fresh backward
-//!   ([`crate::AmpError::NoGradients`]) or after `backward_with(loss, false)` without
-//!   `update_master_grads()` ([`crate::AmpError::MasterGradsNotUpdated`]); it releases the
-//!   master gradients after the update (Apex kept them until `zero_grad`). The values stepped
-//!   are the same: every fp16 gradient that exists (a zeroed one too) is copied to its master
-//!   at each `update_master_grads`, and one never made leaves its master unstepped in both.
+//!   ([`UsageError::NoGradients`](crate::error::UsageError::NoGradients)) or after
+//!   `backward_with(loss, false)` without `update_master_grads()`
+//!   ([`UsageError::CallOrder`](crate::error::UsageError::CallOrder)); it releases the master
+//!   gradients after the update (Apex kept them until `zero_grad`). The values stepped are the
+//!   same: every fp16 gradient that exists (a zeroed one too) is copied to its master at each
+//!   `update_master_grads`, and one never made leaves its master unstepped in both.
 //! - `step(closure)` and `backward(retain_graph=True)` are not offered.
-//! - The overflow check reads each gradient for inf/NaN (Apex's fused kernel; its Python
-//!   fallback summed each gradient, which also flags a finite fp32 gradient whose sum
-//!   overflows).
-//! - `state_dict()` holds copies of the masters; `load_state_dict` validates everything first
-//!   and changes nothing on error.
+//! - The overflow check reads each gradient for inf/NaN (Apex's fused kernel; its Python fallback
+//!   summed each gradient, which also flags a finite fp32 gradient whose sum overflows).
+//! - `state_dict()` holds copies of the masters; `load_state_dict` validates everything first and
+//!   changes nothing on error.
 mod convert;
 mod loss_scaler;
 mod optimizer;

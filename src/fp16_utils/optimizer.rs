@@ -3,6 +3,7 @@
 //! `update_master_grads`, `clip_master_grads`, `step` skipping on overflow, and a state dict
 //! in Apex's keys. The update rules, masters and their records are [`AmpOptimizer`]'s; the
 //! scale is a [`LossScaler`] set up as Apex's amp `LossScaler` that `FP16_Optimizer` uses.
+use crate::error::{ConfigError, StateError, UsageError};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tch::nn::VarStore;
@@ -215,7 +216,7 @@ pub struct Fp16Optimizer {
 }
 
 fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -> AmpError {
-    AmpError::InvalidOption { option, value: value.to_string(), expected }
+    AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
 /// A tch-amp [`Amp`] whose scaler 0 is Apex's amp `LossScaler` in state `s`, and whose
@@ -250,13 +251,13 @@ fn scaler_amp(s: &LegacyScalerState) -> Result<Amp> {
 
 impl Fp16Optimizer {
     /// Apex's `FP16_Optimizer(optimizer, static_loss_scale=.., dynamic_loss_scale=..,
-    /// dynamic_loss_args=..)` where `optimizer = <config>(model.parameters(), lr)`: an
-    /// optimizer over every trainable variable of `vs`; fp16 ones get fp32 masters (copies of
-    /// their current values), fp32 ones are stepped themselves.
+    /// dynamic_loss_args=..)` where `optimizer = <config>(model.parameters(), lr)`: an optimizer
+    /// over every trainable variable of `vs`; fp16 ones get fp32 masters (copies of their current
+    /// values), fp32 ones are stepped themselves.
     ///
     /// # Errors
-    /// [`AmpError::LegacyParamDtype`] for a trainable variable neither fp16 nor fp32;
-    /// [`AmpError::InvalidOption`] for a static scale or `init_scale` that is not finite and
+    /// [`ConfigError::LegacyParamDtype`] for a trainable variable neither fp16 nor fp32;
+    /// [`ConfigError::InvalidOption`] for a static scale or `init_scale` that is not finite and
     /// positive (or outside the dynamic scaler's range), `scale_factor` other than 2, a
     /// `scale_window` of 0, bad `min_loss_scale`/`max_loss_scale`, or a bad learning rate.
     pub fn new(
@@ -270,7 +271,7 @@ impl Fp16Optimizer {
         if let Some((name, v)) =
             names.iter().find(|(_, v)| v.requires_grad() && !matches!(v.kind(), Kind::Half | Kind::Float))
         {
-            return Err(AmpError::LegacyParamDtype { name: name.clone(), kind: v.kind() });
+            return Err(AmpError::Config(ConfigError::LegacyParamDtype { name: name.clone(), kind: v.kind() }));
         }
         let cfg = if options.dynamic_loss_scale {
             let a = options.dynamic_loss_args.unwrap_or_default();
@@ -310,18 +311,23 @@ impl Fp16Optimizer {
             }
         };
         let amp = scaler_amp(&cfg).map_err(|e| match e {
-            AmpError::StateMismatch { message } => AmpError::InvalidOption {
+            AmpError::State(StateError::StateMismatch { message }) => AmpError::Config(ConfigError::InvalidOption {
                 option: "dynamic_loss_args",
                 value: message,
                 expected: "init_scale within [min_loss_scale (2^-24 when unset), max_loss_scale]",
-            },
+            }),
             other => other,
         })?;
         let scaler = amp.scaler(0)?.clone();
         let opt = amp.optimizer(vs, config, lr)?;
         // Apex's order: parameter groups in order, each group's parameters as the model made them.
         let order: Vec<(Tensor, usize)> = {
-            let v = vs.variables_.lock().map_err(|_| AmpError::PoisonedLock { what: "the VarStore" })?;
+            let v = vs.variables_.lock().map_err(|_| {
+                AmpError::torch(
+                    "locking the VarStore",
+                    "the lock is poisoned: another thread panicked while holding it",
+                )
+            })?;
             v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect()
         };
         let vars = vs.variables();
@@ -360,7 +366,7 @@ impl Fp16Optimizer {
     /// Sets the loss scale (Apex's `loss_scale` setter); the count of clean passes is kept.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] for a scale outside the scaler's range (nothing changes).
+    /// [`StateError::StateMismatch`] for a scale outside the scaler's range (nothing changes).
     pub fn set_loss_scale(&mut self, scale: f64) -> Result<()> {
         let cfg = LegacyScalerState { loss_scale: scale, unskipped: self.scaler.unskipped(), ..self.scaler_cfg };
         self.scaler = scaler_amp(&cfg)?.scaler(0)?.clone();
@@ -459,7 +465,7 @@ impl Fp16Optimizer {
     /// Apex's `zero_grad(set_grads_to_None=True)`: every gradient set to None (freed).
     ///
     /// # Errors
-    /// [`AmpError::Shim`] if libtorch refuses (not expected).
+    /// [`AmpError::Torch`](crate::AmpError::Torch) if libtorch refuses (not expected).
     pub fn zero_grad_set_to_none(&mut self) -> Result<()> {
         for s in &self.slots {
             for t in std::iter::once(&s.model).chain(s.master.as_ref()) {
@@ -477,21 +483,16 @@ impl Fp16Optimizer {
         self.backward_with(loss, true)
     }
 
-    /// Apex's `backward(loss, update_master_grads)`: `(loss.float() * loss_scale).backward()`,
-    /// then [`Self::update_master_grads`] unless `update_master_grads` is false (several losses
+    /// Apex's `backward(loss, update_master_grads)`: `(loss.float() * loss_scale).backward()`, then
+    /// [`Self::update_master_grads`] unless `update_master_grads` is false (several losses
     /// accumulate their scaled fp16 gradients first; call `update_master_grads()` once before
     /// `step`).
     ///
     /// # Errors
-    /// Checked before backward runs: [`AmpError::LossNotScalar`], [`AmpError::LossWithoutGraph`];
+    /// Checked before backward runs: [`UsageError::BadLoss`](crate::error::UsageError::BadLoss);
     /// afterwards [`AmpError::Torch`] from backward.
     pub fn backward_with(&mut self, loss: &Tensor, update_master_grads: bool) -> Result<()> {
-        if !loss.defined() || loss.numel() != 1 {
-            return Err(AmpError::LossNotScalar { shape: if loss.defined() { loss.size() } else { Vec::new() } });
-        }
-        if !loss.requires_grad() {
-            return Err(AmpError::LossWithoutGraph);
-        }
+        crate::error::check_loss_value(loss)?;
         let scaled = loss.f_to_kind(Kind::Float).ctx("loss.float()")? * self.scaler.loss_scale();
         scaled.f_backward().ctx("backward")?;
         self.pending_update = true;
@@ -509,7 +510,7 @@ impl Fp16Optimizer {
     /// dynamic scaling.
     ///
     /// # Errors
-    /// [`AmpError::Torch`] / [`AmpError::Shim`] if an op fails (not expected).
+    /// [`AmpError::Torch`] if an op fails (not expected).
     pub fn update_master_grads(&mut self) -> Result<()> {
         let scale = self.scaler.loss_scale();
         let inv = 1.0 / scale;
@@ -578,23 +579,27 @@ impl Fp16Optimizer {
         super::clip_grad_norm(&self.master_params(), max_norm, norm_type)
     }
 
-    /// Apex's `step()`: after an overflow nothing happens (returns `false`; Apex printed
-    /// "Gradient overflow.  Skipping step, reducing loss scale to ..." and returned None);
-    /// otherwise the wrapped optimizer updates the masters and fp32 variables from their
-    /// gradients, each master is rounded into its fp16 variable, and `true` is returned.
-    /// The master gradients are released after the update (Apex kept them until `zero_grad`).
+    /// Apex's `step()`: after an overflow nothing happens (returns `false`; Apex printed "Gradient
+    /// overflow.  Skipping step, reducing loss scale to ..." and returned None); otherwise the
+    /// wrapped optimizer updates the masters and fp32 variables from their gradients, each master
+    /// is rounded into its fp16 variable, and `true` is returned. The master gradients are released
+    /// after the update (Apex kept them until `zero_grad`).
     ///
     /// # Errors
-    /// - [`AmpError::MasterGradsNotUpdated`] after `backward_with(loss, false)` without
-    ///   `update_master_grads()`;
-    /// - [`AmpError::NoGradients`] when no backward ran since the last step (Apex would apply
-    ///   the old gradients again);
+    /// - [`UsageError::CallOrder`](crate::error::UsageError::CallOrder) after `backward_with(loss,
+    ///   false)` without `update_master_grads()`;
+    /// - [`UsageError::NoGradients`] when no backward ran since the last step (Apex would apply the
+    ///   old gradients again);
     /// - as [`AmpOptimizer::step`].
     ///
     /// Nothing changes on these errors.
     pub fn step(&mut self) -> Result<bool> {
         if self.pending_update {
-            return Err(AmpError::MasterGradsNotUpdated);
+            return Err(AmpError::Usage(UsageError::CallOrder {
+                call: "step()",
+                when: "after backward_with(loss, false) without update_master_grads()",
+                remedy: "call update_master_grads() first (it unscales the gradients into the fp32 masters)",
+            }));
         }
         if self.overflow {
             if self.verbose {
@@ -603,7 +608,7 @@ impl Fp16Optimizer {
             return Ok(false);
         }
         if !self.fresh {
-            return Err(AmpError::NoGradients);
+            return Err(AmpError::Usage(UsageError::NoGradients));
         }
         // The fp16 gradients were already unscaled into the masters; they stay in place, as
         // Apex leaves them.
@@ -678,17 +683,17 @@ impl Fp16Optimizer {
         }
     }
 
-    /// Apex's `load_state_dict(state)`: the scaler (its options too, as Apex replaced the
-    /// object), the flags, the wrapped optimizer's state, and the fp32 masters from
-    /// `fp32_from_fp16` (Apex's choice: saved masters, not masters rebuilt from the fp16
-    /// model). Load the model's variables first (`vs.load`), as Apex expected. Everything is
-    /// checked before anything changes; all gradients are cleared.
+    /// Apex's `load_state_dict(state)`: the scaler (its options too, as Apex replaced the object),
+    /// the flags, the wrapped optimizer's state, and the fp32 masters from `fp32_from_fp16` (Apex's
+    /// choice: saved masters, not masters rebuilt from the fp16 model). Load the model's variables
+    /// first (`vs.load`), as Apex expected. Everything is checked before anything changes; all
+    /// gradients are cleared.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] for a scaler state out of range, `dynamic_loss_scale` that
-    /// disagrees with the scaler, masters whose groups, counts, shapes or dtype (fp32) differ
-    /// from this optimizer's or that hold inf/NaN, and every mismatch
-    /// [`AmpOptimizer::load_record`] reports. Nothing changes then.
+    /// [`StateError::StateMismatch`] for a scaler state out of range, `dynamic_loss_scale` that
+    /// disagrees with the scaler, masters whose groups, counts, shapes or dtype (fp32) differ from
+    /// this optimizer's or that hold inf/NaN, and every mismatch [`AmpOptimizer::load_record`]
+    /// reports. Nothing changes then.
     pub fn load_state_dict(&mut self, state: Fp16OptimizerState) -> Result<()> {
         let Fp16OptimizerState {
             loss_scaler,

@@ -1,6 +1,7 @@
 //! The manual master-weight recipe of `apex.fp16_utils` (`prep_param_lists`,
 //! `model_grads_to_master_grads`, `master_params_to_model_params`, `to_python_float`, the
 //! `clip_grad_norm` it re-exports), for scripts that drive the fp32 masters themselves.
+use crate::error::UsageError;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
@@ -8,7 +9,7 @@ use crate::error::{AmpError, Result, TorchContext};
 use crate::sys;
 
 fn mismatch(message: impl Into<String>) -> AmpError {
-    AmpError::ParamListMismatch { message: message.into() }
+    AmpError::Usage(UsageError::ParamListMismatch { message: message.into() })
 }
 
 /// The trainable variables of `vs` that require grad, in creation order (torch's
@@ -17,15 +18,14 @@ pub fn model_params(vs: &VarStore) -> Vec<Tensor> {
     vs.trainable_variables().into_iter().filter(Tensor::requires_grad).collect()
 }
 
-/// Apex's `prep_param_lists(model, flat_master)`: the model's parameters ([`model_params`])
-/// and their fp32 masters: one detached fp32 copy per parameter, or with `flat_master` a single
-/// flat fp32 tensor holding them all, end to end, with a zero gradient already attached
-/// (Apex attaches an uninitialized one). The masters require grad, as Apex's.
+/// Apex's `prep_param_lists(model, flat_master)`: the model's parameters ([`model_params`]) and
+/// their fp32 masters: one detached fp32 copy per parameter, or with `flat_master` a single flat
+/// fp32 tensor holding them all, end to end, with a zero gradient already attached (Apex attaches
+/// an uninitialized one). The masters require grad, as Apex's.
 ///
 /// # Errors
-/// [`AmpError::ParamListMismatch`] with `flat_master` when the parameters are not all of one
-/// dtype (Apex's flatten fails there too) or there are none; [`AmpError::Torch`] if a copy
-/// fails.
+/// [`UsageError::ParamListMismatch`] with `flat_master` when the parameters are not all of one
+/// dtype (Apex's flatten fails there too) or there are none; [`AmpError::Torch`] if a copy fails.
 pub fn prep_param_lists(vs: &VarStore, flat_master: bool) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
     let params = model_params(vs);
     let _no_grad = tch::no_grad_guard();
@@ -96,15 +96,15 @@ fn check_pairs(model_params: &[Tensor], master_params: &[Tensor], flat_master: b
     }
 }
 
-/// Apex's `model_grads_to_master_grads(model_params, master_params, flat_master)`: each
-/// master's gradient becomes a copy of its model parameter's gradient (converted to the
-/// master's dtype); a master whose parameter has no gradient loses its own. With `flat_master`
-/// every model gradient is copied, end to end, into the flat master's gradient.
+/// Apex's `model_grads_to_master_grads(model_params, master_params, flat_master)`: each master's
+/// gradient becomes a copy of its model parameter's gradient (converted to the master's dtype); a
+/// master whose parameter has no gradient loses its own. With `flat_master` every model gradient is
+/// copied, end to end, into the flat master's gradient.
 ///
 /// # Errors
-/// [`AmpError::ParamListMismatch`] for lists that do not pair up (checked before anything
-/// changes), or with `flat_master` when a model parameter has no gradient or the flat master
-/// none; [`AmpError::Torch`] if a copy fails.
+/// [`UsageError::ParamListMismatch`] for lists that do not pair up (checked before anything
+/// changes), or with `flat_master` when a model parameter has no gradient or the flat master none;
+/// [`AmpError::Torch`] if a copy fails.
 pub fn model_grads_to_master_grads(model_params: &[Tensor], master_params: &[Tensor], flat_master: bool) -> Result<()> {
     check_pairs(model_params, master_params, flat_master)?;
     let _no_grad = tch::no_grad_guard();
@@ -139,12 +139,12 @@ pub fn model_grads_to_master_grads(model_params: &[Tensor], master_params: &[Ten
     Ok(())
 }
 
-/// Apex's `master_params_to_model_params(model_params, master_params, flat_master)`: each
-/// model parameter becomes its master, rounded to the parameter's dtype (with `flat_master`,
-/// its slice of the flat master).
+/// Apex's `master_params_to_model_params(model_params, master_params, flat_master)`: each model
+/// parameter becomes its master, rounded to the parameter's dtype (with `flat_master`, its slice of
+/// the flat master).
 ///
 /// # Errors
-/// [`AmpError::ParamListMismatch`] for lists that do not pair up (nothing changes then);
+/// [`UsageError::ParamListMismatch`] for lists that do not pair up (nothing changes then);
 /// [`AmpError::Torch`] if a copy fails.
 pub fn master_params_to_model_params(
     model_params: &[Tensor],
@@ -173,7 +173,7 @@ pub fn master_params_to_model_params(
 /// Apex's `to_python_float(t)` (`t.item()`): the value of a one-element tensor as `f64`.
 ///
 /// # Errors
-/// [`AmpError::ParamListMismatch`] for a tensor that does not hold exactly one element;
+/// [`UsageError::ParamListMismatch`] for a tensor that does not hold exactly one element;
 /// [`AmpError::Torch`] if reading fails.
 pub fn to_python_float(t: &Tensor) -> Result<f64> {
     if !t.defined() || t.numel() != 1 {
@@ -185,15 +185,16 @@ pub fn to_python_float(t: &Tensor) -> Result<f64> {
     t.f_double_value(&[]).or_else(|_| t.f_reshape([-1]).and_then(|f| f.f_double_value(&[0]))).ctx("to_python_float")
 }
 
-/// torch's `clip_grad_norm_(params, max_norm, norm_type)` (which `apex.fp16_utils` re-exports
-/// as `clip_grad_norm`), op for op: per-tensor norms in the order given, the norm of their
-/// stack, every gradient multiplied by `min(max_norm / (norm + 1e-6), 1)` (a non-finite norm
-/// scales by NaN, as torch's does). Parameters without a gradient are skipped; with none the
-/// norm is 0 and nothing changes. Returns the total norm.
+/// torch's `clip_grad_norm_(params, max_norm, norm_type)` (which `apex.fp16_utils` re-exports as
+/// `clip_grad_norm`), op for op: per-tensor norms in the order given, the norm of their stack,
+/// every gradient multiplied by `min(max_norm / (norm + 1e-6), 1)` (a non-finite norm scales by
+/// NaN, as torch's does). Parameters without a gradient are skipped; with none the norm is 0 and
+/// nothing changes. Returns the total norm.
 ///
 /// # Errors
-/// [`AmpError::InvalidOption`] for a negative or non-finite `max_norm`, or a `norm_type` that
-/// is not positive; [`AmpError::Torch`] if an op fails.
+/// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) for a negative or
+/// non-finite `max_norm`, or a `norm_type` that is not positive; [`AmpError::Torch`] if an op
+/// fails.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
     crate::optim::check_clip_args(max_norm, norm_type)?;
     let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();

@@ -15,6 +15,7 @@
 //! own results differ from this algorithm in the last bits of some elements. [`FusedSgd`] runs
 //! torch.optim.SGD's single-tensor ops, which Apex documents as its equivalent, so it equals
 //! `torch.optim.SGD` bit for bit.
+use crate::error::ConfigError;
 use tch::{Kind, Tensor};
 
 use super::rule::{GroupView, HyperParams, ParamState, StateSpec};
@@ -326,11 +327,11 @@ impl FusedNovoGrad {
             } else if norm == 0.0 {
                 NovoGradNorm::Inf
             } else {
-                return Err(AmpError::InvalidOption {
+                return Err(AmpError::Config(ConfigError::InvalidOption {
                     option: "norm_type",
                     value: norm.to_string(),
                     expected: "2 (l2) or 0 (max norm) (Apex: \"FusedNovoGrad only support l2/inf norm now.\")",
-                });
+                }));
             },
             init_zero: h.flag("init_zero")?,
             amsgrad: false,
@@ -356,7 +357,7 @@ fn check(ok: bool, option: &'static str, value: f64, expected: &'static str) -> 
     if ok && value.is_finite() {
         Ok(())
     } else {
-        Err(AmpError::InvalidOption { option, value: value.to_string(), expected })
+        Err(AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected }))
     }
 }
 
@@ -370,7 +371,7 @@ fn beta(option: &'static str, v: f64) -> Result<()> {
 
 fn no_amsgrad(amsgrad: bool, what: &'static str) -> Result<()> {
     if amsgrad {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "amsgrad",
             value: "true".into(),
             expected: match what {
@@ -381,7 +382,7 @@ fn no_amsgrad(amsgrad: bool, what: &'static str) -> Result<()> {
                 "FusedLAMB" => "false: FusedLAMB does not support the AMSGrad variant (Apex raises RuntimeError)",
                 _ => "false: FusedNovoGrad does not support the AMSGrad variant (Apex raises RuntimeError)",
             },
-        });
+        }));
     }
     Ok(())
 }
@@ -394,12 +395,12 @@ pub(crate) fn validate_sgd(c: &FusedSgd) -> Result<()> {
     check(c.dampening.is_finite(), "dampening", c.dampening, "a finite number")?;
     non_negative("weight_decay", c.weight_decay)?;
     if c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0) {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "nesterov",
             value: format!("true with momentum {} and dampening {}", c.momentum, c.dampening),
             expected: "momentum > 0 and dampening 0 (Apex: \"Nesterov momentum requires a momentum and zero \
                        dampening\")",
-        });
+        }));
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The optimizer behind [`crate::AmpOptimizer`]: torch.optim's parameter groups (each with its
 //! learning rate, hyper-parameters and step count), the per-parameter state, and one call of
 //! the [`UpdateRule`] per step over the parameters that have a gradient.
+use crate::error::ConfigError;
 use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
@@ -48,7 +49,11 @@ pub(crate) fn check_lr(lr: f64) -> Result<()> {
     if lr.is_finite() && lr >= 0.0 {
         Ok(())
     } else {
-        Err(AmpError::InvalidOption { option: "lr", value: lr.to_string(), expected: "a finite number >= 0" })
+        Err(AmpError::Config(ConfigError::InvalidOption {
+            option: "lr",
+            value: lr.to_string(),
+            expected: "a finite number >= 0",
+        }))
     }
 }
 
@@ -82,10 +87,10 @@ impl Optimizer {
         let mut hyper = self.defaults.clone();
         for (k, v) in overrides.iter() {
             if !hyper.contains(k) {
-                return Err(AmpError::UnknownHyperParameter {
+                return Err(AmpError::Config(ConfigError::UnknownHyperParameter {
                     name: k.to_string(),
                     known: self.defaults.keys().map(str::to_string).collect(),
-                });
+                }));
             }
             hyper.set(k, v);
         }

@@ -1,5 +1,6 @@
 //! Gradients: set, clear or take `.grad`, the fused unscale with an inf/NaN flag, and the fp32
 //! total norm (the shim calls are in `crate::sys`).
+use crate::error::ConfigError;
 use tch::Tensor;
 
 use crate::error::{AmpError, Result};
@@ -31,8 +32,8 @@ pub(crate) fn take_grad(t: &Tensor) -> Result<Option<Tensor>> {
 /// what `scale_loss` runs at exit; it is public for custom training loops and benchmarks.
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] when libtorch rejects the inputs (e.g. tensors on different
-/// devices); [`crate::AmpError::TooManyTensors`] beyond `i32::MAX` tensors.
+/// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch rejects the inputs (e.g. tensors on different
+/// devices); [`AmpError::Torch`](crate::AmpError::Torch) beyond `i32::MAX` tensors.
 pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
     sys::unscale_(grads, found_inf, inv_scale)
 }
@@ -43,8 +44,8 @@ pub fn unscale_(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Res
 /// fp16 gradients, which `step` unscales; public for custom training loops.
 ///
 /// # Errors
-/// [`crate::AmpError::Shim`] when libtorch rejects the inputs (e.g. tensors on different
-/// devices); [`crate::AmpError::TooManyTensors`] beyond `i32::MAX` tensors.
+/// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch rejects the inputs (e.g. tensors on different
+/// devices); [`AmpError::Torch`](crate::AmpError::Torch) beyond `i32::MAX` tensors.
 pub fn non_finite_check_(grads: &[Tensor], found_inf: &Tensor) -> Result<()> {
     sys::non_finite_check_(grads, found_inf)
 }
@@ -59,18 +60,18 @@ pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
 /// finite `max_norm >= 0` and a positive `norm_type` (`f64::INFINITY` for the max-norm).
 pub(crate) fn check_clip_args(max_norm: f64, norm_type: f64) -> Result<()> {
     if !(max_norm.is_finite() && max_norm >= 0.0) {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "max_norm",
             value: max_norm.to_string(),
             expected: "a finite number >= 0",
-        });
+        }));
     }
     if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "norm_type",
             value: norm_type.to_string(),
             expected: "a positive number or f64::INFINITY",
-        });
+        }));
     }
     Ok(())
 }

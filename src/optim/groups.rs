@@ -2,6 +2,7 @@
 //! variables by name (path prefixes, exact names, a predicate, or "everything no other group
 //! took") and overrides any of the optimizer's hyper-parameters for them, the learning rate
 //! included: the BERT `no_decay` groups, per-group betas or eps.
+use crate::error::ConfigError;
 use std::fmt;
 use std::sync::Arc;
 
@@ -60,16 +61,16 @@ impl Selector {
     }
 }
 
-/// One parameter group of an optimizer (an entry of torch.optim's `param_groups`): which
-/// trainable variables of the VarStore it holds, and the hyper-parameters it sets instead of
-/// the optimizer's defaults (`lr` included). Keys are those of the optimizer's
-/// [`crate::OptimizerConfig::hyper_parameters`] (or a user rule's
-/// [`crate::UpdateRule::defaults`]); an unknown key is [`crate::AmpError::UnknownHyperParameter`].
+/// One parameter group of an optimizer (an entry of torch.optim's `param_groups`): which trainable
+/// variables of the VarStore it holds, and the hyper-parameters it sets instead of the optimizer's
+/// defaults (`lr` included). Keys are those of the optimizer's
+/// [`crate::OptimizerConfig::hyper_parameters`] (or a user rule's [`crate::UpdateRule::defaults`]);
+/// an unknown key is [`ConfigError::UnknownHyperParameter`].
 ///
-/// Within a group, parameters are in VarStore-name order; groups keep the order given. A
-/// variable that two groups select is [`crate::AmpError::ParamInTwoGroups`] (torch: "some
-/// parameters appear in more than one parameter group"); a trainable variable no group
-/// selects is not optimized, as in torch.
+/// Within a group, parameters are in VarStore-name order; groups keep the order given. A variable
+/// that two groups select is [`ConfigError::ParamInTwoGroups`] (torch: "some parameters appear in
+/// more than one parameter group"); a trainable variable no group selects is not optimized, as in
+/// torch.
 ///
 /// The BERT pattern (`no_decay = ["bias", "LayerNorm.weight"]`):
 /// ```
@@ -191,15 +192,15 @@ pub(crate) struct ResolvedGroup {
     pub(crate) entries: Vec<ParamEntry>,
 }
 
-/// Chooses the trainable variables of `vs` for each group (`taken`: the names an optimizer
-/// already holds, for `add_param_group`) and makes their entries, fp32 masters for the
-/// low-precision ones when `master_weights`. Nothing is created when a check fails.
+/// Chooses the trainable variables of `vs` for each group (`taken`: the names an optimizer already
+/// holds, for `add_param_group`) and makes their entries, fp32 masters for the low-precision ones
+/// when `master_weights`. Nothing is created when a check fails.
 ///
 /// # Errors
-/// [`AmpError::ParamInTwoGroups`] for a variable two groups (or a group and the optimizer)
-/// take; [`AmpError::UnknownVariable`] for a name that is no trainable variable of `vs`;
-/// [`AmpError::NoVariablesUnder`] for path prefixes under which there is no variable;
-/// [`AmpError::InvalidOption`] for more than one [`ParamGroup::rest`].
+/// [`ConfigError::ParamInTwoGroups`] for a variable two groups (or a group and the optimizer) take;
+/// [`ConfigError::UnknownVariable`] for a name that is no trainable variable of `vs`;
+/// [`ConfigError::NoVariablesUnder`] for path prefixes under which there is no variable;
+/// [`ConfigError::InvalidOption`] for more than one [`ParamGroup::rest`].
 pub(crate) fn resolve(
     vs: &VarStore,
     groups: &[ParamGroup],
@@ -207,11 +208,11 @@ pub(crate) fn resolve(
     master_weights: bool,
 ) -> Result<Vec<ResolvedGroup>> {
     if groups.iter().filter(|g| matches!(g.selector, Selector::Rest)).count() > 1 {
-        return Err(AmpError::InvalidOption {
+        return Err(AmpError::Config(ConfigError::InvalidOption {
             option: "param groups",
             value: "two ParamGroup::rest() groups".into(),
             expected: "at most one ParamGroup::rest()",
-        });
+        }));
     }
     let candidates = trainable(vs)?;
     let all_names: Vec<String> = vs.variables().into_keys().collect();
@@ -222,13 +223,13 @@ pub(crate) fn resolve(
             Selector::Rest => continue,
             Selector::Names(names) => {
                 if let Some(missing) = names.iter().find(|n| !candidates.iter().any(|c| &c.name == *n)) {
-                    return Err(AmpError::UnknownVariable { name: missing.clone() });
+                    return Err(AmpError::Config(ConfigError::UnknownVariable { name: missing.clone() }));
                 }
             }
             Selector::Prefixes(p) if !p.is_empty() => {
                 let refs: Vec<&str> = p.iter().map(String::as_str).collect();
                 if !all_names.iter().any(|n| under_prefix(n, &refs)) {
-                    return Err(AmpError::NoVariablesUnder { prefixes: p.clone() });
+                    return Err(AmpError::Config(ConfigError::NoVariablesUnder { prefixes: p.clone() }));
                 }
             }
             _ => {}
@@ -238,7 +239,7 @@ pub(crate) fn resolve(
                 continue;
             }
             if taken.contains(&c.name.as_str()) || owner[ci].is_some() {
-                return Err(AmpError::ParamInTwoGroups { name: c.name.clone() });
+                return Err(AmpError::Config(ConfigError::ParamInTwoGroups { name: c.name.clone() }));
             }
             owner[ci] = Some(gi);
         }

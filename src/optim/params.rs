@@ -1,6 +1,7 @@
 //! The parameters an optimizer updates: one entry per trainable variable, with the fp32 master
 //! copy of a low-precision variable under master weights (O2), and the copy back into the model
 //! after each step.
+use crate::error::ConfigError;
 use tch::{nn::VarStore, Kind, Tensor};
 
 use crate::dtype::is_low_precision;
@@ -57,7 +58,9 @@ pub(crate) fn under_prefix(name: &str, prefixes: &[&str]) -> bool {
 /// The parameter group of each trainable variable. tch keeps groups only in the VarStore's
 /// internal list (`Path::set_group`), so this is the one place tch-amp reads it.
 fn trainable_groups(vs: &VarStore) -> Result<Vec<(Tensor, usize)>> {
-    let v = vs.variables_.lock().map_err(|_| AmpError::PoisonedLock { what: "the VarStore" })?;
+    let v = vs.variables_.lock().map_err(|_| {
+        AmpError::torch("locking the VarStore", "the lock is poisoned: another thread panicked while holding it")
+    })?;
     Ok(v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect())
 }
 
@@ -113,7 +116,9 @@ impl Candidate {
 pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bool) -> Result<Vec<ParamEntry>> {
     let all_names = vs.variables();
     if !prefixes.is_empty() && !all_names.keys().any(|n| under_prefix(n, prefixes)) {
-        return Err(AmpError::NoVariablesUnder { prefixes: prefixes.iter().map(|p| p.to_string()).collect() });
+        return Err(AmpError::Config(ConfigError::NoVariablesUnder {
+            prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
+        }));
     }
     trainable(vs)?
         .into_iter()

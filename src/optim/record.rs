@@ -25,6 +25,7 @@
 //! `amsgrad`, ...) are 0.0 or 1.0. Besides torch's fields it holds the fp32 master value of
 //! each parameter that has one (O2), and the step and skip counters of
 //! [`crate::AmpOptimizer::step_counts`].
+use crate::error::StateError;
 use std::collections::BTreeMap;
 
 use tch::Tensor;
@@ -75,16 +76,16 @@ pub struct OptimizerRecord {
 }
 
 impl OptimizerRecord {
-    /// Checks for state that would poison the next step, which finite-value checks miss: a
-    /// negative second moment (`exp_avg_sq`, `max_exp_avg_sq`, `square_avg`, Adagrad's `sum`)
-    /// of a built-in rule, whose square root is NaN; a learning rate or hyper-parameter that is
-    /// not finite, or finite in f64 but inf in fp32 (`1e308`), or non-zero in f64 but 0 in
-    /// fp32 (`5e-324`): updates are computed in fp32. Every loader calls it before applying
-    /// anything ([`crate::AmpOptimizer::load_record`], [`crate::load_checkpoint`],
+    /// Checks for state that would poison the next step, which finite-value checks miss: a negative
+    /// second moment (`exp_avg_sq`, `max_exp_avg_sq`, `square_avg`, Adagrad's `sum`) of a built-in
+    /// rule, whose square root is NaN; a learning rate or hyper-parameter that is not finite, or
+    /// finite in f64 but inf in fp32 (`1e308`), or non-zero in f64 but 0 in fp32 (`5e-324`):
+    /// updates are computed in fp32. Every loader calls it before applying anything
+    /// ([`crate::AmpOptimizer::load_record`], [`crate::load_checkpoint`],
     /// [`crate::load_torch_checkpoint`]). Step counts are unsigned, so never negative here.
     ///
     /// # Errors
-    /// [`AmpError::PoisonedState`] naming the parameter and buffer, or the hyper-parameter.
+    /// [`StateError::PoisonedState`] naming the parameter and buffer, or the hyper-parameter.
     pub fn validate(&self) -> Result<()> {
         check_hyper("lr", self.lr)?;
         for (name, &v) in &self.hyper_parameters {
@@ -113,12 +114,12 @@ impl OptimizerRecord {
                     .ctx("checking optimizer state")?;
                 if ok == 0 {
                     let min = t.f_min().and_then(|m| m.f_double_value(&[])).ctx("checking optimizer state")?;
-                    return Err(AmpError::PoisonedState {
+                    return Err(AmpError::State(StateError::PoisonedState {
                         param: format!("{} {buf}", p.name),
                         message: format!(
                             "a second moment holds {min} (it is never negative or NaN; its square root would be NaN)"
                         ),
-                    });
+                    }));
                 }
             }
         }
@@ -138,7 +139,7 @@ fn check_hyper(name: &str, v: f64) -> Result<()> {
     } else {
         return Ok(());
     };
-    Err(AmpError::PoisonedState { param: name.to_string(), message })
+    Err(AmpError::State(StateError::PoisonedState { param: name.to_string(), message }))
 }
 
 /// One parameter group's persistent state (torch.optim's `param_groups[i]`).

@@ -5,6 +5,7 @@
 //! parameters of one group that have a gradient) and [`StateSpec`] (the state a rule keeps, for
 //! checking records). [`crate::AmpOptimizer`] does the rest unchanged for every rule: fp32
 //! masters, skipping after an overflow, clipping, parameter groups, records and checkpoints.
+use crate::error::ConfigError;
 use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
@@ -49,11 +50,13 @@ impl HyperParams {
     /// The value of `key`.
     ///
     /// # Errors
-    /// [`AmpError::UnknownHyperParameter`] when there is no such key.
+    /// [`ConfigError::UnknownHyperParameter`] when there is no such key.
     pub fn get(&self, key: &str) -> Result<f64> {
-        self.0.get(key).copied().ok_or_else(|| AmpError::UnknownHyperParameter {
-            name: key.to_string(),
-            known: self.0.keys().cloned().collect(),
+        self.0.get(key).copied().ok_or_else(|| {
+            AmpError::Config(ConfigError::UnknownHyperParameter {
+                name: key.to_string(),
+                known: self.0.keys().cloned().collect(),
+            })
         })
     }
 
@@ -391,12 +394,12 @@ pub trait UpdateRule: std::fmt::Debug + Send {
     /// record loads only into an optimizer with the same defaults (bit for bit).
     fn defaults(&self) -> HyperParams;
 
-    /// Checks a group's learning rate and hyper-parameters (as torch.optim's constructors
-    /// raise `ValueError`). Called when an optimizer is built, a group added or changed, and
-    /// a record loaded. The learning rate has already been checked to be finite and >= 0.
+    /// Checks a group's learning rate and hyper-parameters (as torch.optim's constructors raise
+    /// `ValueError`). Called when an optimizer is built, a group added or changed, and a record
+    /// loaded. The learning rate has already been checked to be finite and >= 0.
     ///
     /// # Errors
-    /// Typically [`AmpError::InvalidOption`] naming the bad value.
+    /// Typically [`ConfigError::InvalidOption`] naming the bad value.
     fn validate(&self, lr: f64, hyper: &HyperParams) -> Result<()> {
         let _ = (lr, hyper);
         Ok(())

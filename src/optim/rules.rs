@@ -5,6 +5,7 @@
 //! algorithm op for op (bit for bit, tests/amp/optim_bitwise.rs); Adam/AdamW can run libtorch's
 //! fused kernel instead (torch's `fused=True`). [`OptimizerConfig`] names a built-in rule and
 //! implements [`UpdateRule`] through [`BuiltinRule`].
+use crate::error::ConfigError;
 use std::collections::BTreeMap;
 
 use tch::{nn, Kind, Tensor};
@@ -100,11 +101,11 @@ impl OptimizerConfig {
         self
     }
 
-    /// torch.optim's `fused=True` for Adam and AdamW: one libtorch `_fused_adam_` /
-    /// `_fused_adamw_` call per parameter group instead of the single-tensor algorithm. Its
-    /// results differ from the default's in the last bits (it computes the update in another
-    /// order), as torch's do. Default false. Building an optimizer with `fused(true)` for any
-    /// other optimizer is [`crate::AmpError::InvalidOption`].
+    /// torch.optim's `fused=True` for Adam and AdamW: one libtorch `_fused_adam_` / `_fused_adamw_`
+    /// call per parameter group instead of the single-tensor algorithm. Its results differ from the
+    /// default's in the last bits (it computes the update in another order), as torch's do. Default
+    /// false. Building an optimizer with `fused(true)` for any other optimizer is
+    /// [`ConfigError::InvalidOption`].
     pub fn fused(mut self, on: bool) -> Self {
         self.fused = on;
         self
@@ -298,24 +299,24 @@ impl OptimizerConfig {
         names.iter().map(|n| StateSpec::like_param(*n)).collect()
     }
 
-    /// Checks `lr` and the hyper-parameters as torch.optim's constructors do (their
-    /// `ValueError`s): lr >= 0; SGD momentum >= 0, weight_decay >= 0, Nesterov only with
-    /// momentum > 0 and dampening 0; Adam/AdamW eps >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
-    /// weight_decay >= 0; RMSprop lr, eps, momentum, weight_decay, alpha >= 0. Apex's
-    /// optimizers as Apex's constructors do (FusedSGD as torch's SGD; `amsgrad` refused;
-    /// NovoGrad's `norm_type` 2 or 0), with betas in [0, 1), eps and weight decay >= 0 and
-    /// LAMB's `max_grad_norm` > 0. Stricter than torch: every value must also be finite (torch
-    /// accepts an infinite lr and a NaN SGD momentum or dampening, which turn the weights NaN
-    /// at the first step). `fused` only for Adam/AdamW, `maximize` not for Apex's optimizers.
+    /// Checks `lr` and the hyper-parameters as torch.optim's constructors do (their `ValueError`s):
+    /// lr >= 0; SGD momentum >= 0, weight_decay >= 0, Nesterov only with momentum > 0 and dampening
+    /// 0; Adam/AdamW eps >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1, weight_decay >= 0; RMSprop lr, eps,
+    /// momentum, weight_decay, alpha >= 0. Apex's optimizers as Apex's constructors do (FusedSGD as
+    /// torch's SGD; `amsgrad` refused; NovoGrad's `norm_type` 2 or 0), with betas in [0, 1), eps
+    /// and weight decay >= 0 and LAMB's `max_grad_norm` > 0. Stricter than torch: every value must
+    /// also be finite (torch accepts an infinite lr and a NaN SGD momentum or dampening, which turn
+    /// the weights NaN at the first step). `fused` only for Adam/AdamW, `maximize` not for Apex's
+    /// optimizers.
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] naming the first bad value, with torch's wording.
+    /// [`ConfigError::InvalidOption`] naming the first bad value, with torch's wording.
     pub fn validate(&self, lr: f64) -> Result<()> {
         fn check(ok: bool, option: &'static str, value: f64, expected: &'static str) -> Result<()> {
             if ok && value.is_finite() {
                 Ok(())
             } else {
-                Err(AmpError::InvalidOption { option, value: value.to_string(), expected })
+                Err(AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected }))
             }
         }
         let non_negative = |option: &'static str, v: f64| check(v >= 0.0, option, v, "a finite number >= 0");
@@ -324,19 +325,19 @@ impl OptimizerConfig {
         };
         non_negative("lr", lr)?;
         if self.fused && !matches!(self.algorithm, Algorithm::Adam(_) | Algorithm::AdamW(_)) {
-            return Err(AmpError::InvalidOption {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "fused",
                 value: format!("{:?}", self.algorithm),
                 expected: "Adam or AdamW (tch-amp has no fused kernel for SGD or RMSprop; Apex's optimizers run \
                            their own algorithm): drop .fused(true)",
-            });
+            }));
         }
         if self.maximize && self.is_apex() {
-            return Err(AmpError::InvalidOption {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "maximize",
                 value: "true".into(),
                 expected: "false: Apex's optimizers have no maximize option",
-            });
+            }));
         }
         match self.algorithm {
             Algorithm::Sgd(c) => {
@@ -344,12 +345,12 @@ impl OptimizerConfig {
                 check(c.dampening.is_finite(), "dampening", c.dampening, "a finite number")?;
                 non_negative("weight_decay", c.wd)?;
                 if c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0) {
-                    return Err(AmpError::InvalidOption {
+                    return Err(AmpError::Config(ConfigError::InvalidOption {
                         option: "nesterov",
                         value: format!("true with momentum {} and dampening {}", c.momentum, c.dampening),
                         expected: "momentum > 0 and dampening 0 (torch: \"Nesterov momentum requires a momentum and \
                                    zero dampening\")",
-                    });
+                    }));
                 }
             }
             Algorithm::Adam(nn::Adam { beta1, beta2, wd, eps, .. })
@@ -425,12 +426,12 @@ impl UpdateRule for BuiltinRule {
         let defaults = self.config.defaults();
         for key in self.config.optimizer_wide() {
             if hyper.get(key)?.to_bits() != defaults.get(key)?.to_bits() {
-                return Err(AmpError::InvalidOption {
+                return Err(AmpError::Config(ConfigError::InvalidOption {
                     option: "param group",
                     value: format!("{key} = {} in a group, {} for the optimizer", hyper.get(key)?, defaults.get(key)?),
                     expected: "the optimizer's value: Apex reads this option from the optimizer, not from its groups \
                                (set it on the optimizer's config)",
-                });
+                }));
             }
         }
         self.config.with_hyper(hyper)?.validate(lr)

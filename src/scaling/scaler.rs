@@ -124,9 +124,9 @@ impl LossScaler {
     /// 2^127, so that the scale and its inverse are normal fp32 numbers (the loss is scaled
     /// and the gradients unscaled in fp32).
     pub const SCALE_RANGE: (f64, f64) = consts::SCALE_RANGE;
-    /// Default of [`crate::AmpConfig::collapse_limit`]: 20 consecutive overflowing passes
-    /// with the scale at its floor (or 20 consecutive clean passes there whose gradients are
-    /// all exactly zero) end in [`crate::AmpError::ScaleCollapsed`].
+    /// Default of [`crate::AmpConfig::collapse_limit`]: 20 consecutive overflowing passes with the
+    /// scale at its floor (or 20 consecutive clean passes there whose gradients are all exactly
+    /// zero) end in [`Divergence::ScaleCollapsed`](crate::error::Divergence::ScaleCollapsed).
     pub const DEFAULT_COLLAPSE_LIMIT: u32 = consts::DEFAULT_COLLAPSE_LIMIT;
     /// Default of [`crate::AmpConfig::scale_history_len`]: the last 256 scale changes are kept.
     pub const DEFAULT_HISTORY_LEN: usize = consts::DEFAULT_HISTORY_LEN;

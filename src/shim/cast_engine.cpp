@@ -281,4 +281,16 @@ char* tch_amp_cast_cache_clear() { TCH_AMP_PROTECT(cache_clear()) }
 // Number of entries in the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_len(size_t* len) { TCH_AMP_PROTECT(*len = cache_len()) }
 
+// Takes the calling thread's last refusal: *code 0 when there is none; otherwise *op and
+// *message are strdup'd strings the caller frees with tch_amp_free_error.
+char* tch_amp_cast_take_refusal(int* code, int* dtype, char** op, char** message) {
+  TCH_AMP_PROTECT({
+    Refusal r = take_refusal();
+    *code = static_cast<int>(r.code);
+    *dtype = static_cast<int>(r.dtype);
+    *op = r.code == RefusalCode::None ? nullptr : strdup(r.op.c_str());
+    *message = r.code == RefusalCode::None ? nullptr : strdup(r.message.c_str());
+  })
+}
+
 }  // extern "C"

@@ -1,9 +1,8 @@
 // The boxed kernel tch-amp registers for one aten op overload at one Autocast key: it casts
 // the op's arguments by the calling thread's policy (categories: low precision, fp32, promote,
 // banned), applies Apex's in-place rules, and on CPU may emulate a low-precision GEMM or
-// convolution in fp32. Refusals are c10::Errors whose messages start with the markers
-// "tch-amp O1 [banned op " and "tch-amp O1 [in-place fp32 op " (read by the Rust side's
-// classify_torch_error, src/cast/error.rs).
+// convolution in fp32. A refusal is a c10::Error; the calling thread keeps its code, op and
+// message (`take_refusal`) for the Rust side's classify_torch_error (src/cast/error.rs).
 #include "cast_policy.h"
 
 #include <ATen/autocast_mode.h>
@@ -15,6 +14,15 @@
 
 namespace tch_amp::cast {
 namespace {
+
+thread_local Refusal tls_refusal;
+
+// Records the refusal for this thread, then throws it as a c10::Error with `message`.
+[[noreturn]] void refuse(RefusalCode code, const std::string& op, at::ScalarType dtype,
+                         std::string message) {
+  tls_refusal = Refusal{code, op, dtype, message};
+  TORCH_CHECK(false, message);
+}
 
 // Applies `f` to every tensor among the last `n` stack entries (tensors, optional tensors,
 // tensor lists and lists of optional tensors), replacing them with what `f` returns.
@@ -164,10 +172,9 @@ class CastKernel final : public c10::OperatorKernel {
       const std::string name = op_display(op.operator_name());
       std::string base = name.substr(0, name.find('.'));
       if (!base.empty() && base.back() == '_') base.pop_back();
-      TORCH_CHECK(false, "tch-amp O1 [in-place fp32 op ", name, " on ", c10::toString(self_type),
-                  "]: ", base, " runs in fp32 under O1, so it cannot write its result into a ",
-                  c10::toString(self_type), " tensor in place; call the out-of-place ", base,
-                  " (or cast the tensor to fp32 first)");
+      refuse(RefusalCode::InPlaceFp32, name, self_type,
+             c10::str(name, " runs in fp32 under O1 and cannot write in place into a ",
+                      c10::toString(self_type), " tensor: call ", base, " out of place"));
     }
     const int dev = dev_;
     map_tensor_args(stack, nargs, /*skip_first=*/true, [&](const at::Tensor& t) {
@@ -193,12 +200,9 @@ class CastKernel final : public c10::OperatorKernel {
         });
         if (any_low && !policy.allow_banned) {
           const std::string name = op_display(op.operator_name());
-          TORCH_CHECK(false, "tch-amp O1 [banned op ", name, "]: ", name,
-                      " is unsafe on fp16/bf16 inputs: its log saturates where a low-precision "
-                      "sigmoid has rounded to 0 or 1. Models usually apply a sigmoid right before "
-                      "it: feed the logits to binary_cross_entropy_with_logits (BCEWithLogitsLoss) "
-                      "instead, which is safe and runs in fp32 under O1. If you really want it, "
-                      "set allow_banned in the O1 settings: it then runs in fp32.");
+          refuse(RefusalCode::BannedOp, name, at::kHalf,
+                 c10::str(name, " is banned under O1 on fp16/bf16 inputs: use "
+                          "binary_cross_entropy_with_logits on the logits (or allow_banned)"));
         }
         map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, dev); });
         return;
@@ -280,5 +284,7 @@ class CastKernel final : public c10::OperatorKernel {
 torch::CppFunction make_cast_kernel(size_t id, int dev, bool inplace, std::optional<c10::SafeKernelFunction> native) {
   return torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CastKernel>(id, dev, inplace, std::move(native)));
 }
+
+Refusal take_refusal() { return std::exchange(tls_refusal, Refusal{}); }
 
 }  // namespace tch_amp::cast

@@ -69,6 +69,21 @@ struct Policy {
 // The calling thread's active policy (null: none). Defined in cast_engine.cpp.
 extern thread_local std::shared_ptr<const Policy> tls_policy;
 
+// ---- cast_kernel.cpp --------------------------------------------------------------------------
+// Why the kernel refused an op (`tch_amp_refusal_*` in src/sys/cast.rs).
+enum class RefusalCode : int { None = 0, BannedOp = 1, InPlaceFp32 = 2 };
+// The calling thread's last refusal, kept until taken: the code, the op, the tensor's dtype
+// and the exact message of the c10::Error thrown with it (so that the Rust side can tell that
+// an error it holds is this refusal).
+struct Refusal {
+  RefusalCode code = RefusalCode::None;
+  std::string op;
+  at::ScalarType dtype = at::kFloat;
+  std::string message;
+};
+// Returns the calling thread's last refusal and clears it.
+Refusal take_refusal();
+
 // ---- cast_cache.cpp ---------------------------------------------------------------------------
 inline bool is_low(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 // A tensor the kernel for `dev` may cast or count: defined, fp16/bf16/fp32/fp64, on that device

@@ -77,7 +77,7 @@ pub(crate) fn autocast_nesting(up: bool) -> Result<i64> {
 /// Checks that `aten::<name>` with `overload` ("" for the default) exists; libtorch's message
 /// otherwise.
 pub(crate) fn find_schema(name: &str, overload: &str) -> Result<()> {
-    let shim = |e: std::ffi::NulError| AmpError::Shim { what: "find_schema", message: e.to_string() };
+    let shim = |e: std::ffi::NulError| AmpError::torch("find_schema", e.to_string());
     let (c_name, c_overload) = (CString::new(name).map_err(shim)?, CString::new(overload).map_err(shim)?);
     // SAFETY: two valid NUL-terminated strings that outlive the call.
     check(unsafe { tch_amp_find_schema(c_name.as_ptr(), c_overload.as_ptr()) }, "find_schema")

@@ -1,11 +1,12 @@
 //! The cast engine's C boundary (`src/shim/cast_engine.cpp`, `cast_policy.h`): policies as
 //! arrays of `#[repr(C)]` entries with numeric categories, lists handed back through a
 //! callback, and owned handles for installed and saved policies.
+use crate::error::ConfigError;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
-use tch::Device;
+use tch::{Device, Kind};
 
-use super::{check, device_type_code};
+use super::{check, device_type_code, kind_from_code, take_string};
 use crate::error::{AmpError, Result};
 
 /// A category as the engine numbers it (`Category` and `kEmulate` in `cast_policy.h`).
@@ -50,6 +51,12 @@ extern "C" {
     fn tch_amp_cast_policy_active(active: *mut c_int) -> *mut c_char;
     fn tch_amp_cast_cache_clear() -> *mut c_char;
     fn tch_amp_cast_cache_len(len: *mut usize) -> *mut c_char;
+    fn tch_amp_cast_take_refusal(
+        code: *mut c_int,
+        dtype: *mut c_int,
+        op: *mut *mut c_char,
+        message: *mut *mut c_char,
+    ) -> *mut c_char;
 }
 
 /// Appends each string the shim hands over to the `Vec<String>` behind `ctx`.
@@ -70,8 +77,8 @@ fn strings(what: &'static str, f: impl FnOnce(*mut c_void, StringSink) -> *mut c
 
 /// The overload names of `aten::<name>` without `out=` arguments (`""` for the unnamed one).
 pub(crate) fn aten_overloads(name: &str) -> Result<Vec<String>> {
-    let c_name =
-        CString::new(name).map_err(|e| AmpError::UnknownOp { name: name.to_string(), message: e.to_string() })?;
+    let c_name = CString::new(name)
+        .map_err(|e| AmpError::Config(ConfigError::UnknownOp { name: name.to_string(), message: e.to_string() }))?;
     // SAFETY: a valid NUL-terminated string; `ctx`/`sink` come from `strings`.
     strings("aten_overloads", |ctx, sink| unsafe { tch_amp_aten_overloads(c_name.as_ptr(), ctx, sink) })
 }
@@ -116,8 +123,10 @@ pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, emulate_d
     let mut names = Vec::with_capacity(entries.len());
     for &(_, _, op) in entries {
         let (name, overload) = op.split_once('.').unwrap_or((op, ""));
-        let c =
-            |s: &str| CString::new(s).map_err(|e| AmpError::UnknownOp { name: op.to_string(), message: e.to_string() });
+        let c = |s: &str| {
+            CString::new(s)
+                .map_err(|e| AmpError::Config(ConfigError::UnknownOp { name: op.to_string(), message: e.to_string() }))
+        };
         names.push((c(name)?, c(overload)?));
     }
     let raw = entries
@@ -132,8 +141,9 @@ pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, emulate_d
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let n = c_int::try_from(raw.len())
-        .map_err(|_| AmpError::TooManyTensors { count: raw.len(), what: "cast_policy_install" })?;
+    let n = c_int::try_from(raw.len()).map_err(|_| {
+        AmpError::torch("cast_policy_install", format!("too many cast entries ({}) for one call", raw.len()))
+    })?;
     let mut out = std::ptr::null_mut();
     // SAFETY: `raw` holds n entries whose strings (`names`) outlive the call; `out` is an
     // out-pointer to a local.
@@ -212,4 +222,37 @@ pub(crate) fn cache_len() -> Result<usize> {
     // SAFETY: an out-pointer to a local.
     check(unsafe { tch_amp_cast_cache_len(&mut len) }, "cast_cache_len")?;
     Ok(len)
+}
+
+/// Why the cast kernel refused an op (`RefusalCode` in `cast_policy.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RefusalCode {
+    BannedOp,
+    InPlaceFp32,
+}
+
+/// A refusal the calling thread's cast kernel raised: its code, op, the tensor's dtype and the
+/// exact message of the error it threw.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub(crate) code: RefusalCode,
+    pub(crate) op: String,
+    pub(crate) dtype: Kind,
+    pub(crate) message: String,
+}
+
+/// Takes the calling thread's last refusal (the next call returns `None` until another).
+pub(crate) fn take_refusal() -> Result<Option<Refusal>> {
+    let (mut code, mut dtype) = (0, 0);
+    let (mut op, mut message) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: out-pointers to locals; the strings written are strdup'd and owned by us.
+    check(unsafe { tch_amp_cast_take_refusal(&mut code, &mut dtype, &mut op, &mut message) }, "cast_take_refusal")?;
+    let (op, message) = (take_string(op), take_string(message));
+    let code = match code {
+        0 => return Ok(None),
+        1 => RefusalCode::BannedOp,
+        2 => RefusalCode::InPlaceFp32,
+        other => return Err(AmpError::torch("cast_take_refusal", format!("unknown refusal code {other}"))),
+    };
+    Ok(Some(Refusal { code, op, dtype: kind_from_code(dtype)?, message }))
 }

@@ -3,8 +3,9 @@
 //! has no `unsafe`.
 //!
 //! The shim's error channel: every shim function returns NULL on success or a heap-allocated
-//! message (a caught C++ exception), which [`check`] turns into [`AmpError::Shim`]. Tensors
+//! message (a caught C++ exception), which [`check`] turns into [`AmpError::Torch`](crate::AmpError::Torch). Tensors
 //! cross as tch's `C_tensor` (an `at::Tensor*`).
+use crate::error::ConfigError;
 use std::ffi::{c_char, c_int, CStr};
 
 use tch::{Device, Kind, Tensor};
@@ -39,7 +40,7 @@ fn check(err: *mut c_char, what: &'static str) -> Result<()> {
     if err.is_null() {
         return Ok(());
     }
-    Err(AmpError::Shim { what, message: take_string(err) })
+    Err(AmpError::torch(what, take_string(err)))
 }
 
 /// Takes ownership of a string the shim allocated (strdup) and frees it.
@@ -74,7 +75,8 @@ pub(crate) fn storage_offset(t: &Tensor) -> std::result::Result<i64, tch::TchErr
 
 /// Handles of `tensors`, and their count as the shim's `int`.
 fn ptrs(tensors: &[Tensor], what: &'static str) -> Result<(Vec<*mut C_tensor>, c_int)> {
-    let n = c_int::try_from(tensors.len()).map_err(|_| AmpError::TooManyTensors { count: tensors.len(), what })?;
+    let n = c_int::try_from(tensors.len())
+        .map_err(|_| AmpError::torch(what, format!("too many tensors ({}) for one call", tensors.len())))?;
     Ok((tensors.iter().map(ptr).collect(), n))
 }
 
@@ -87,11 +89,11 @@ fn scalar_type_code(kind: Kind) -> Result<c_int> {
         Kind::Double => 7,
         Kind::BFloat16 => 15,
         other => {
-            return Err(AmpError::InvalidOption {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "dtype",
                 value: format!("{other:?}"),
                 expected: "Half, BFloat16, Float or Double",
-            })
+            }))
         }
     })
 }
@@ -103,9 +105,7 @@ fn kind_from_code(code: c_int) -> Result<Kind> {
         6 => Kind::Float,
         7 => Kind::Double,
         15 => Kind::BFloat16,
-        other => {
-            return Err(AmpError::Shim { what: "dtype", message: format!("unexpected c10::ScalarType code {other}") })
-        }
+        other => return Err(AmpError::torch("dtype", format!("unexpected c10::ScalarType code {other}"))),
     })
 }
 
@@ -114,10 +114,10 @@ pub(crate) fn device_type_code(device: Device) -> Result<c_int> {
     match device {
         Device::Cpu => Ok(0),
         Device::Cuda(_) => Ok(1),
-        other => Err(AmpError::InvalidOption {
+        other => Err(AmpError::Config(ConfigError::InvalidOption {
             option: "device",
             value: format!("{other:?}"),
             expected: "Device::Cpu or Device::Cuda(_)",
-        }),
+        })),
     }
 }

@@ -102,7 +102,7 @@ pub(crate) fn fused_adam_(t: &FusedAdamArgs<'_>, lr: f64, h: FusedAdamHyper) -> 
     let (p, n) = ptrs(t.params, "fused_adam")?;
     let lists = [t.grads, t.exp_avgs, t.exp_avg_sqs, t.steps];
     if lists.iter().any(|l| l.len() != t.params.len()) || (h.amsgrad && t.max_exp_avg_sqs.len() != t.params.len()) {
-        return Err(AmpError::Shim { what: "fused_adam", message: "tensor lists of different lengths".into() });
+        return Err(AmpError::torch("fused_adam", "tensor lists of different lengths"));
     }
     let (g, _) = ptrs(t.grads, "fused_adam")?;
     let (m, _) = ptrs(t.exp_avgs, "fused_adam")?;

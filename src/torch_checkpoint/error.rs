@@ -14,11 +14,12 @@ pub type Result<T, E = TorchCheckpointError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TorchCheckpointError {
-    /// Strict loading: the model state dict and the `VarStore` hold different names.
+    /// Strict loading: the model state dict and the `VarStore` hold different names (torch's
+    /// `load_state_dict(strict=True)` refuses this too). `TorchLoadOptions::strict(false)`
+    /// loads the names both have and reports the others.
     #[error(
-        "the model state dict does not match the VarStore: missing keys {missing:?}, unexpected keys \
-         {unexpected:?} (torch's load_state_dict(strict=True) refuses this too); TorchLoadOptions::strict(false) \
-         loads the names both have and reports the others"
+        "the model state dict does not match the VarStore: missing {missing:?}, unexpected {unexpected:?}; \
+         load with TorchLoadOptions::strict(false)"
     )]
     KeysMismatch {
         /// `VarStore` variables the state dict lacks.

@@ -1,4 +1,5 @@
 //! Loading and saving `torch.save` checkpoints (see the module above).
+use crate::error::StateError;
 use std::path::Path;
 use tch::nn::VarStore;
 use tch::Kind;
@@ -38,17 +39,16 @@ pub struct TorchLoadReport {
     pub entries: Dict,
 }
 
-/// Reads a `torch.save` checkpoint and restores the model variables, the optimizers and the
-/// loss scalers from it (see the [module docs](crate::torch_checkpoint) for what is mapped how). Tensors are read
-/// onto [`TorchLoadOptions::map_location`], by default the VarStore's device.
+/// Reads a `torch.save` checkpoint and restores the model variables, the optimizers and the loss
+/// scalers from it (see the [module docs](crate::torch_checkpoint) for what is mapped how). Tensors
+/// are read onto [`TorchLoadOptions::map_location`], by default the VarStore's device.
 ///
 /// # Errors
 /// [`TorchCheckpointError::File`] when the file cannot be read (truncated, wrong magic, a pickle
-/// naming a global outside torch's weights-only set, ...) or an entry is missing or of the
-/// wrong type (the message names its path); [`TorchCheckpointError`] when it does not fit
-/// (keys, shapes, dtypes, optimizer class, hyper-parameters, parameter count or order,
-/// non-finite values); [`AmpError::StateMismatch`] for an amp state the scalers refuse. Nothing
-/// is changed on error.
+/// naming a global outside torch's weights-only set, ...) or an entry is missing or of the wrong
+/// type (the message names its path); [`TorchCheckpointError`] when it does not fit (keys, shapes,
+/// dtypes, optimizer class, hyper-parameters, parameter count or order, non-finite values);
+/// [`StateError::StateMismatch`] for an amp state the scalers refuse. Nothing is changed on error.
 pub fn load_torch_checkpoint(
     path: impl AsRef<Path>,
     vs: &VarStore,
@@ -139,8 +139,8 @@ pub fn load_torch_checkpoint_value(
             }
         }
         staged_records.push(o.stage_record(record).map_err(|e| match e {
-            AmpError::StateMismatch { message } => {
-                AmpError::StateMismatch { message: format!("optimizer {i}: {message}") }
+            AmpError::State(StateError::StateMismatch { message }) => {
+                AmpError::State(StateError::StateMismatch { message: format!("optimizer {i}: {message}") })
             }
             other => other,
         })?);

@@ -187,7 +187,9 @@ fn check_dtype(path: &str, name: &str, found: Kind, var: Kind, exact: bool) -> R
 /// order only in its internal list, matched here to names by tensor identity).
 pub(super) fn creation_order(vs: &VarStore) -> Result<Vec<String>> {
     let named = vs.variables();
-    let v = vs.variables_.lock().map_err(|_| AmpError::PoisonedLock { what: "the VarStore" })?;
+    let v = vs.variables_.lock().map_err(|_| {
+        AmpError::torch("locking the VarStore", "the lock is poisoned: another thread panicked while holding it")
+    })?;
     let mut out = Vec::with_capacity(v.trainable_variables.len());
     for var in &v.trainable_variables {
         if let Some((name, _)) = named.iter().find(|(_, t)| t.is_set_to(&var.tensor)) {

@@ -21,6 +21,7 @@ use crate::common::reference::{
 use serde_json::Value;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::ConfigError;
 use tch_amp::optim::NovoGradNorm;
 use tch_amp::{
     load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpOptimizer, FusedAdagrad, FusedAdam, FusedLamb,
@@ -306,7 +307,7 @@ fn amsgrad_is_refused_with_a_typed_error() {
     ];
     for cfg in configs {
         match amp.optimizer(&vs, cfg, 1e-3) {
-            Err(AmpError::InvalidOption { option: "amsgrad", .. }) => {}
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "amsgrad", .. })) => {}
             other => panic!("{cfg:?}: {other:?}"),
         }
     }
@@ -334,21 +335,23 @@ fn optimizer_wide_options_and_bad_values_are_refused() {
     for (cfg, key, value) in wide {
         let groups = [ParamGroup::names(&["w"]), ParamGroup::rest().set(key, value)];
         match amp.optimizer_groups(&vs, cfg, 1e-3, &groups) {
-            Err(AmpError::InvalidOption { option: "param group", value, .. }) => assert!(value.contains(key)),
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "param group", value, .. })) => {
+                assert!(value.contains(key))
+            }
             other => panic!("{key}: {other:?}"),
         }
     }
     match amp.optimizer(&vs, FusedLamb { max_grad_norm: 0.0, ..Default::default() }, 1e-3) {
-        Err(AmpError::InvalidOption { option: "max_grad_norm", .. }) => {}
+        Err(AmpError::Config(ConfigError::InvalidOption { option: "max_grad_norm", .. })) => {}
         other => panic!("max_grad_norm 0: {other:?}"),
     }
     match amp.optimizer(&vs, FusedAdam { beta1: 1.0, ..Default::default() }, 1e-3) {
-        Err(AmpError::InvalidOption { option: "beta1", .. }) => {}
+        Err(AmpError::Config(ConfigError::InvalidOption { option: "beta1", .. })) => {}
         other => panic!("beta1 1: {other:?}"),
     }
     let bad_norm = [ParamGroup::all().set("norm_type", 1.0)];
     match amp.optimizer_groups(&vs, FusedNovoGrad::default(), 1e-3, &bad_norm) {
-        Err(AmpError::InvalidOption { option: "norm_type", .. }) => {}
+        Err(AmpError::Config(ConfigError::InvalidOption { option: "norm_type", .. })) => {}
         other => panic!("norm_type 1: {other:?}"),
     }
 }

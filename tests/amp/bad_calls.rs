@@ -7,6 +7,7 @@
 use serde_json::{json, Value};
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::{ConfigError, StateError, UsageError};
 use tch_amp::{Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, OptimizerConfig, StepOutcome};
 
 use crate::common::{batch, deterministic_init, same, Mlp};
@@ -76,7 +77,7 @@ fn o2_backward_without_scale_loss_is_an_error() {
     let before = snapshot(&r);
     l.backward();
     match r.opt.step() {
-        Err(AmpError::GradientsNotUnscaled { params }) => {
+        Err(AmpError::Usage(UsageError::GradientsNotUnscaled { params })) => {
             assert_eq!(params, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
         }
         other => panic!("{other:?}"),
@@ -91,7 +92,7 @@ fn step_without_gradients_and_twice_after_an_overflow() {
     for level in [OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         let mut r = run(AmpConfig::new(level), nn::Sgd { momentum: 0.9, ..Default::default() });
         let before = snapshot(&r);
-        assert!(matches!(r.opt.step(), Err(AmpError::NoGradients)), "{level}");
+        assert!(matches!(r.opt.step(), Err(AmpError::Usage(UsageError::NoGradients))), "{level}");
         assert_unchanged(&before, &r, "no gradients");
         if level == OptLevel::O0 || level == OptLevel::O3 {
             continue; // static scales: no overflow, no skip
@@ -103,7 +104,7 @@ fn step_without_gradients_and_twice_after_an_overflow() {
         assert!(matches!(r.opt.step(), Ok(StepOutcome::Skipped { .. })));
         let before = snapshot(&r);
         assert!(
-            matches!(r.opt.step(), Err(AmpError::CallOrder { call: "step()", .. })),
+            matches!(r.opt.step(), Err(AmpError::Usage(UsageError::CallOrder { call: "step()", .. }))),
             "{level}: second step after a skip"
         );
         assert_unchanged(&before, &r, "second step");
@@ -120,7 +121,9 @@ fn step_twice_is_refused_at_every_level() {
         good_step(&mut r, 0);
         let before = snapshot(&r);
         match r.opt.step() {
-            Err(AmpError::CallOrder { call: "step()", when, .. }) => assert!(when.contains("twice"), "{level}: {when}"),
+            Err(AmpError::Usage(UsageError::CallOrder { call: "step()", when, .. })) => {
+                assert!(when.contains("twice"), "{level}: {when}")
+            }
             other => panic!("{level}: {other:?}"),
         }
         assert_unchanged(&before, &r, "second step");
@@ -140,12 +143,15 @@ fn clip_outside_the_order_is_refused() {
         r.opt.zero_grad().unwrap();
         let e = r.opt.clip_grad_norm(1.0, 2.0).unwrap_err();
         assert!(
-            matches!(e, AmpError::CallOrder { call: "clip_grad_norm()", when: "before scale_loss", .. }),
+            matches!(
+                e,
+                AmpError::Usage(UsageError::CallOrder { call: "clip_grad_norm()", when: "before scale_loss", .. })
+            ),
             "{level}: {e}"
         );
         good_step(&mut r, 0);
         let e = r.opt.clip_grad_norm(1.0, 2.0).unwrap_err();
-        assert!(matches!(e, AmpError::CallOrder { call: "clip_grad_norm()", .. }), "{level}: {e}");
+        assert!(matches!(e, AmpError::Usage(UsageError::CallOrder { call: "clip_grad_norm()", .. })), "{level}: {e}");
         assert!(e.to_string().starts_with("clip_grad_norm() called after step()"), "{e}");
     }
     // Where scale_loss passes the loss through (O0), a plain backward is the same pass: clipping
@@ -166,7 +172,9 @@ fn o1_backward_outside_scale_loss_is_refused() {
     loss(&r, 1).backward();
     let before = snapshot(&r);
     match r.opt.step() {
-        Err(AmpError::CallOrder { call: "step()", when, .. }) => assert!(when.contains("no scale_loss"), "{when}"),
+        Err(AmpError::Usage(UsageError::CallOrder { call: "step()", when, .. })) => {
+            assert!(when.contains("no scale_loss"), "{when}")
+        }
         other => panic!("{other:?}"),
     }
     assert_unchanged(&before, &r, "backward outside scale_loss");
@@ -196,7 +204,7 @@ fn clipping_the_fp16_model_gradients_under_o2_is_refused() {
     clip_model_grads(&r.vs);
     let before = snapshot_without_masters(&r);
     match r.opt.step() {
-        Err(AmpError::ModelGradsChanged { params }) => {
+        Err(AmpError::Usage(UsageError::ModelGradsChanged { params })) => {
             assert_eq!(params, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
         }
         other => panic!("{other:?}"),
@@ -240,7 +248,7 @@ fn checkpoint_of(r: &Run, dir: &tempfile::TempDir, name: &str) -> std::path::Pat
 fn expect_refused(path: &std::path::Path, r: &mut Run, needle: &str) {
     let before = snapshot(r);
     match tch_amp::load_checkpoint(path, &r.vs, &mut [&mut r.opt], &mut r.amp) {
-        Err(AmpError::StateMismatch { message }) => assert!(message.contains(needle), "{message}"),
+        Err(AmpError::State(StateError::StateMismatch { message })) => assert!(message.contains(needle), "{message}"),
         other => panic!("expected a StateMismatch about {needle:?}, got {other:?}"),
     }
     assert_unchanged(&before, r, needle);
@@ -329,7 +337,7 @@ fn hyper_parameters_are_validated_as_torch_optim() {
         assert_eq!(config.validate(lr).is_ok(), ours.is_ok());
         let finite = lr.is_finite() && h.as_object().unwrap().values().all(|v| v.is_boolean() || num(v).is_finite());
         match (&case["torch_error"], ours) {
-            (Value::String(msg), Err(AmpError::InvalidOption { option, .. })) => {
+            (Value::String(msg), Err(AmpError::Config(ConfigError::InvalidOption { option, .. }))) => {
                 let torch_option = [
                     ("Invalid learning rate", "lr"),
                     ("Invalid epsilon value", "eps"),
@@ -348,7 +356,7 @@ fn hyper_parameters_are_validated_as_torch_optim() {
                 rejected += 1;
             }
             (Value::Null, Ok(_)) => assert!(finite, "accepted a non-finite value: {case}"),
-            (Value::Null, Err(AmpError::InvalidOption { .. })) if !finite => stricter += 1,
+            (Value::Null, Err(AmpError::Config(ConfigError::InvalidOption { .. }))) if !finite => stricter += 1,
             (_, other) => panic!("{case}: {other:?}"),
         }
     }
@@ -365,7 +373,7 @@ fn set_lr_group_of_an_unknown_group_is_an_error() {
     let mut opt = amp.optimizer(&vs, nn::Sgd::default(), 0.1).unwrap();
     assert_eq!(opt.param_groups(), [0, 3]);
     match opt.set_lr_group(99, 0.5) {
-        Err(AmpError::UnknownParamGroup { group: 99, groups }) => assert_eq!(groups, [0, 3]),
+        Err(AmpError::Config(ConfigError::UnknownParamGroup { group: 99, groups })) => assert_eq!(groups, [0, 3]),
         other => panic!("{other:?}"),
     }
     assert_eq!((opt.lr_group(99), opt.lr_group(3)), (0.1, 0.1));
@@ -398,15 +406,21 @@ fn bad_losses_are_refused_before_backward() {
             })
             .unwrap_err();
         match (*what, &err) {
-            ("non-scalar", AmpError::LossNotScalar { shape }) => assert_eq!(shape, &[8, 4]),
-            ("no graph", AmpError::LossWithoutGraph) => {}
-            ("undefined", AmpError::LossNotScalar { shape }) => assert!(shape.is_empty()),
+            ("non-scalar", AmpError::Usage(UsageError::BadLoss { problem })) => {
+                assert!(problem.contains("[8, 4]"), "{problem}")
+            }
+            ("no graph", AmpError::Usage(UsageError::BadLoss { problem })) => {
+                assert!(problem.contains("require grad"), "{problem}")
+            }
+            ("undefined", AmpError::Usage(UsageError::BadLoss { problem })) => {
+                assert!(problem.contains("undefined"), "{problem}")
+            }
             _ => panic!("{what}: {err:?}"),
         }
         assert!(!called, "{what}: backward ran");
     }
     let l = out.mse_loss(&y, tch::Reduction::Mean);
-    assert!(matches!(r.amp.scale_loss(&l, &mut [], |s| s.backward()), Err(AmpError::NoOptimizers)));
+    assert!(matches!(r.amp.scale_loss(&l, &mut [], |s| s.backward()), Err(AmpError::Usage(UsageError::NoOptimizers))));
     assert_eq!(r.amp.scaler(0).unwrap().passes(), passes);
     assert_unchanged(&before, &r, "bad losses");
     // A scalar of shape [1] is a single value: accepted, as torch's backward accepts it.
@@ -434,7 +448,7 @@ fn out_of_range_states_and_scales_are_refused() {
         json!({"scale": 65536.0, "growth_interval": 1e300}),
         json!({"scale": 1e-40}),
     ] {
-        assert!(matches!(r.amp.load_state_dict(&bad), Err(AmpError::StateMismatch { .. })), "{bad}");
+        assert!(matches!(r.amp.load_state_dict(&bad), Err(AmpError::State(StateError::StateMismatch { .. }))), "{bad}");
         assert_eq!(r.amp.state_dict(), before, "{bad}");
     }
     // The extremes that are accepted step without a panic.
@@ -457,7 +471,7 @@ fn out_of_range_states_and_scales_are_refused() {
     assert!(s.amp.load_state_dict(&json!({"loss_scaler0": {"loss_scale": 1e-300, "unskipped": 0}})).is_err());
     for bad in [1e-300, 1e39, f64::INFINITY] {
         let err = AmpConfig::new(OptLevel::O2).loss_scale(bad).build().unwrap_err();
-        assert!(matches!(err, AmpError::InvalidOption { option: "loss_scale", .. }), "{err}");
+        assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "loss_scale", .. })), "{err}");
     }
     assert!(AmpConfig::new(OptLevel::O2).max_loss_scale(1e300).build().is_err());
     assert!(AmpConfig::new(OptLevel::O2).min_loss_scale(1e-300).build().is_err());

@@ -6,6 +6,7 @@
 use safetensors::tensor::{Dtype, SafeTensors};
 use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::StateError;
 use tch_amp::{
     load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel, OptimizerConfig,
     ScaleLossOptions,
@@ -234,7 +235,7 @@ fn failed_load_changes_nothing() {
         v
     };
     let err = load_checkpoint(&path, &vs, &mut [&mut opt], &mut amp).unwrap_err();
-    assert!(matches!(err, AmpError::StateMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::State(StateError::StateMismatch { .. })), "{err}");
     let mut after: Vec<_> = vs.variables().into_iter().map(|(k, t)| (k, t.copy())).collect();
     after.sort_by(|x, y| x.0.cmp(&y.0));
     assert_identical(&before, &after, "mismatched load");
@@ -245,7 +246,7 @@ fn failed_load_changes_nothing() {
     let mut b = setup(OptLevel::O2, 2, 9, nn::Adam::default().into());
     let snap = snapshot(&b);
     let err = load_checkpoint(&path, &b.vs, &mut [&mut b.opt], &mut b.amp).unwrap_err();
-    assert!(matches!(err, AmpError::StateMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::State(StateError::StateMismatch { .. })), "{err}");
     assert_identical(&snap, &snapshot(&b), "num_losses mismatch");
     assert_eq!(b.amp.loss_scale(0).unwrap(), 65536.0);
 
@@ -254,7 +255,7 @@ fn failed_load_changes_nothing() {
     std::fs::write(&junk, b"not a checkpoint").unwrap();
     assert!(matches!(
         load_checkpoint(&junk, &b.vs, &mut [&mut b.opt], &mut b.amp),
-        Err(AmpError::StateMismatch { .. })
+        Err(AmpError::State(StateError::StateMismatch { .. }))
     ));
     assert!(matches!(
         load_checkpoint(dir.path().join("missing"), &b.vs, &mut [&mut b.opt], &mut b.amp),
@@ -264,7 +265,7 @@ fn failed_load_changes_nothing() {
     // Saving into a folder that does not exist is a Save error naming the path.
     let target = dir.path().join("no/such/dir/x.safetensors");
     let err = save_checkpoint(&target, &b.vs, &[&b.opt], &b.amp).unwrap_err();
-    assert!(matches!(&err, AmpError::Save { path, .. } if *path == target), "{err}");
+    assert!(matches!(&err, AmpError::Io { path, writing: true, .. } if *path == target), "{err}");
 }
 
 /// The rest of a training state (epoch, arguments, best metric, an EMA's weights) goes into the
@@ -324,9 +325,12 @@ fn poisoned_optimizer_state_is_refused() {
     });
     let name = r.params[0].name.clone();
     let err = r.validate().unwrap_err();
-    assert!(matches!(&err, AmpError::PoisonedState { param, .. } if *param == format!("{name} exp_avg_sq")), "{err}");
+    assert!(
+        matches!(&err, AmpError::State(StateError::PoisonedState { param, .. }) if *param == format!("{name} exp_avg_sq")),
+        "{err}"
+    );
     let err = a.opt.load_record(r).unwrap_err();
-    assert!(matches!(err, AmpError::PoisonedState { .. }), "{err}");
+    assert!(matches!(err, AmpError::State(StateError::PoisonedState { .. })), "{err}");
     // Hyper-parameters finite in f64, inf or 0 in fp32.
     for (key, v) in [("lr", 1e308), ("eps", 5e-324)] {
         let r = poisoned(&a.opt, &|r| {
@@ -340,7 +344,7 @@ fn poisoned_optimizer_state_is_refused() {
         });
         let err = a.opt.load_record(r).unwrap_err();
         assert!(
-            matches!(&err, AmpError::PoisonedState { param, .. } if *param == format!("group 0 {key}")),
+            matches!(&err, AmpError::State(StateError::PoisonedState { param, .. }) if *param == format!("group 0 {key}")),
             "{key}: {err}"
         );
     }

@@ -16,6 +16,7 @@
 
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::{ConfigError, UsageError};
 use tch_amp::{Amp, AmpConfig, AmpError, AmpOptimizer, OptLevel};
 
 const GA: [f32; 3] = [3.0, -4.0, 0.5];
@@ -199,7 +200,7 @@ fn no_grads_returns_zero() {
     let _ = vs.root().var_copy("w", &t(&[1.0, 2.0]));
     let mut amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
     let mut opt = amp.optimizer(&vs, tch::nn::Sgd::default(), 0.1).unwrap();
-    assert!(matches!(opt.clip_grad_norm(1.0, 2.0), Err(AmpError::CallOrder { .. })));
+    assert!(matches!(opt.clip_grad_norm(1.0, 2.0), Err(AmpError::Usage(UsageError::CallOrder { .. }))));
     // A pass whose loss does not reach this optimizer's parameters.
     let other = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
     let loss = (&other * 2.0).sum(Kind::Float);
@@ -210,20 +211,20 @@ fn no_grads_returns_zero() {
     assert!(!var(&vs, "w").grad().defined());
 }
 
-/// A bad `max_norm` or `norm_type` is `AmpError::InvalidOption` naming it, and the
+/// A bad `max_norm` or `norm_type` is `ConfigError::InvalidOption` naming it, and the
 /// gradients are left as they were.
 #[test]
 fn invalid_arguments_are_typed_errors() {
     let (vs, _amp, mut opt) = setup(&GA, &GW);
     for bad in [-1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
         match opt.clip_grad_norm(bad, 2.0) {
-            Err(AmpError::InvalidOption { option: "max_norm", .. }) => {}
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "max_norm", .. })) => {}
             other => panic!("max_norm {bad}: {other:?}"),
         }
     }
     for bad in [0.0, -2.0, f64::NAN, f64::NEG_INFINITY] {
         match opt.clip_grad_norm(1.0, bad) {
-            Err(AmpError::InvalidOption { option: "norm_type", .. }) => {}
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "norm_type", .. })) => {}
             other => panic!("norm_type {bad}: {other:?}"),
         }
     }

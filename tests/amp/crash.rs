@@ -1,10 +1,12 @@
-//! Crash-safe checkpoints: a child process (this test binary again) saves checkpoints in a
-//! loop, each save overwriting `ckpt.safetensors` and creating `new-<k>.safetensors`, and is
-//! killed with SIGKILL after a seeded random delay, 60 times. After each kill: the checkpoint
-//! that existed before always loads, whole (every tensor, the learning rate and the loss
-//! scale of one single version); each new file is absent or complete; and after the next
-//! successful save in the folder no temp file is left (the kill leaves the dead writer's temp
-//! file; the next save removes it, see `save_checkpoint`).
+//! Crash-safe checkpoints, for both save functions (`save_checkpoint`'s safetensors files and
+//! `save_torch_checkpoint`'s torch.save files): a child process (this test binary again) saves
+//! checkpoints in a loop, each save overwriting `ckpt.<ext>` and creating `new-<k>.<ext>`, and
+//! is killed with SIGKILL after a seeded random delay (60 times for safetensors, 24 for
+//! torch.save files). After each kill: the checkpoint that existed before always loads, whole
+//! (every tensor, the learning rate and the loss scale of one single version); each new file is
+//! absent or complete; and after the next successful save in the folder no temp file is left
+//! (the kill leaves the dead writer's temp file; the next save removes it, whichever function
+//! wrote it).
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -13,12 +15,54 @@ use std::time::{Duration, Instant};
 use proptest::prelude::RngExt;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::torch_checkpoint::{TorchLoadOptions, TorchSaveOptions};
 use tch_amp::{Amp, AmpConfig, AmpOptimizer, OptLevel};
 
-const TRIALS: u64 = 60;
 const CHILD_ENV: &str = "TCH_AMP_CRASH_DIR";
 const READY: &str = "tch-amp-crash-child-ready";
-const TEST_NAME: &str = "crash::sigkill_during_save_keeps_checkpoints_whole";
+
+/// Which save function a trial kills.
+#[derive(Debug, Clone, Copy)]
+enum Format {
+    /// `save_checkpoint` / `load_checkpoint`.
+    Safetensors,
+    /// `save_torch_checkpoint` / `load_torch_checkpoint`.
+    Torch,
+}
+
+impl Format {
+    fn ext(self) -> &'static str {
+        match self {
+            Format::Safetensors => "safetensors",
+            Format::Torch => "pt",
+        }
+    }
+
+    /// The test that runs this format's trials (the child runs it again).
+    fn test_name(self) -> &'static str {
+        match self {
+            Format::Safetensors => "crash::sigkill_during_save_keeps_checkpoints_whole",
+            Format::Torch => "crash::sigkill_during_torch_save_keeps_checkpoints_whole",
+        }
+    }
+
+    fn save(self, path: &Path, vs: &VarStore, amp: &Amp, opt: &AmpOptimizer) {
+        match self {
+            Format::Safetensors => tch_amp::save_checkpoint(path, vs, &[opt], amp).unwrap(),
+            Format::Torch => tch_amp::save_torch_checkpoint(path, vs, &[opt], amp, &TorchSaveOptions::new()).unwrap(),
+        }
+    }
+
+    fn load(self, path: &Path, vs: &VarStore, amp: &mut Amp, opt: &mut AmpOptimizer) {
+        let result = match self {
+            Format::Safetensors => tch_amp::load_checkpoint(path, vs, &mut [opt], amp).map_err(|e| e.to_string()),
+            Format::Torch => tch_amp::load_torch_checkpoint(path, vs, &mut [opt], amp, &TorchLoadOptions::new())
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        };
+        result.unwrap_or_else(|e| panic!("{} does not load: {e}", path.display()));
+    }
+}
 
 /// An O2 model with about 1 MB of checkpoint (a 64k-element variable: fp32 master, Adam's two
 /// moments, the model value), after one step (so the optimizer state exists).
@@ -60,10 +104,9 @@ fn set_version(vs: &VarStore, amp: &mut Amp, opt: &mut AmpOptimizer, k: u64) {
 
 /// Loads `path` into a fresh setup and returns its version, checking that every value belongs
 /// to that one version.
-fn version_of(path: &Path) -> u64 {
+fn version_of(format: Format, path: &Path) -> u64 {
     let (vs, mut amp, mut opt) = setup();
-    tch_amp::load_checkpoint(path, &vs, &mut [&mut opt], &mut amp)
-        .unwrap_or_else(|e| panic!("{} does not load: {e}", path.display()));
+    format.load(path, &vs, &mut amp, &mut opt);
     let k = opt.lr() - 1.0;
     assert!(k >= 0.0 && k.fract() == 0.0, "lr {}", opt.lr());
     let mut tensors: Vec<Tensor> = vs.variables().into_values().collect();
@@ -89,14 +132,15 @@ fn temp_files(dir: &Path) -> Vec<String> {
 
 /// The child: saves versions 1, 2, ... until killed (it gives up after 60 s or 2000 versions, fp16-exact integers,
 /// so no process outlives a failed parent).
-fn child(dir: &Path) {
+fn child(format: Format, dir: &Path) {
     let (vs, mut amp, mut opt) = setup();
     println!("{READY}");
     let start = Instant::now();
+    let ext = format.ext();
     for k in 1..2000 {
         set_version(&vs, &mut amp, &mut opt, k);
-        tch_amp::save_checkpoint(dir.join("ckpt.safetensors"), &vs, &[&opt], &amp).unwrap();
-        tch_amp::save_checkpoint(dir.join(format!("new-{k}.safetensors")), &vs, &[&opt], &amp).unwrap();
+        format.save(&dir.join(format!("ckpt.{ext}")), &vs, &amp, &opt);
+        format.save(&dir.join(format!("new-{k}.{ext}")), &vs, &amp, &opt);
         if start.elapsed() > Duration::from_secs(60) {
             break;
         }
@@ -104,15 +148,16 @@ fn child(dir: &Path) {
 }
 
 /// One trial; returns (temp files the kill left, newest version on disk).
-fn trial(seed: u64) -> (usize, u64) {
+fn trial(format: Format, seed: u64) -> (usize, u64) {
     let dir = tempfile::tempdir().unwrap();
     let (vs, mut amp, mut opt) = setup();
     set_version(&vs, &mut amp, &mut opt, 0);
-    let ckpt = dir.path().join("ckpt.safetensors");
-    tch_amp::save_checkpoint(&ckpt, &vs, &[&opt], &amp).unwrap();
+    let ext = format.ext();
+    let ckpt = dir.path().join(format!("ckpt.{ext}"));
+    format.save(&ckpt, &vs, &amp, &opt);
 
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
+        .args(["--exact", format.test_name(), "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, dir.path())
         .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::piped())
@@ -128,47 +173,57 @@ fn trial(seed: u64) -> (usize, u64) {
     child.wait().unwrap();
 
     let left = temp_files(dir.path()).len();
-    let newest = version_of(&ckpt);
+    let newest = version_of(format, &ckpt);
     for entry in std::fs::read_dir(dir.path()).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().into_owned();
-        if let Some(k) = name.strip_prefix("new-").and_then(|n| n.strip_suffix(".safetensors")) {
+        if let Some(k) = name.strip_prefix("new-").and_then(|n| n.strip_suffix(&format!(".{ext}"))) {
             let k: u64 = k.parse().unwrap();
-            assert_eq!(version_of(&dir.path().join(&name)), k, "trial {seed}: {name}");
+            assert_eq!(version_of(format, &dir.path().join(&name)), k, "trial {seed}: {name}");
             assert!(k <= newest + 1, "trial {seed}: {name} is newer than ckpt (version {newest})");
         }
     }
     // The next successful save removes what the dead writer left.
     set_version(&vs, &mut amp, &mut opt, 2047);
-    tch_amp::save_checkpoint(&ckpt, &vs, &[&opt], &amp).unwrap();
+    format.save(&ckpt, &vs, &amp, &opt);
     assert_eq!(temp_files(dir.path()), Vec::<String>::new(), "trial {seed}: temp files survived a later save");
-    assert_eq!(version_of(&ckpt), 2047);
+    assert_eq!(version_of(format, &ckpt), 2047);
     (left, newest)
 }
 
-#[test]
-fn sigkill_during_save_keeps_checkpoints_whole() {
+/// `trials` kills of a child saving in `format` (two trials at a time), or the child itself.
+fn sigkill_trials(format: Format, trials: u64) {
     if let Some(dir) = std::env::var_os(CHILD_ENV) {
-        child(Path::new(&dir));
+        child(format, Path::new(&dir));
         return;
     }
     let start = Instant::now();
-    // Two trials at a time.
     let results: Vec<(usize, u64)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
-            .map(|t| s.spawn(move || (0..TRIALS / 2).map(|i| trial(100 + 2 * i + t)).collect::<Vec<_>>()))
+            .map(|t| s.spawn(move || (0..trials / 2).map(|i| trial(format, 100 + 2 * i + t)).collect::<Vec<_>>()))
             .collect();
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(results.len() as u64, TRIALS);
+    assert_eq!(results.len() as u64, trials);
     let killed_mid_write = results.iter().filter(|r| r.0 > 0).count();
     let advanced = results.iter().filter(|r| r.1 > 0).count();
     eprintln!(
-        "crash: {TRIALS} SIGKILL trials in {:.1} s: {killed_mid_write} left a temp file (killed mid-write, removed by the \
-         next save), {advanced} had overwritten the previous checkpoint; every checkpoint loaded whole",
+        "crash ({format:?}): {trials} SIGKILL trials in {:.1} s: {killed_mid_write} left a temp file (killed \
+         mid-write, removed by the next save), {advanced} had overwritten the previous checkpoint; every checkpoint \
+         loaded whole",
         start.elapsed().as_secs_f64()
     );
     // The kills landed inside saves, and some after a completed overwrite.
     assert!(killed_mid_write > 0 && advanced > 0, "the kills did not exercise saves: {results:?}");
+}
+
+#[test]
+fn sigkill_during_save_keeps_checkpoints_whole() {
+    sigkill_trials(Format::Safetensors, 60);
+}
+
+#[test]
+fn sigkill_during_torch_save_keeps_checkpoints_whole() {
+    sigkill_trials(Format::Torch, 24);
 }
 
 /// The stale-temp cleanup leaves a live writer's temp file alone: a locked temp file (as a

@@ -3,6 +3,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::{autocast, autocast_state, AutocastGuard};
 use tch_amp::diagnostics::check_aten_op;
+use tch_amp::error::ConfigError;
 use tch_amp::AmpError;
 
 #[test]
@@ -73,7 +74,7 @@ fn guard_restores_state_when_closure_panics() {
 #[test]
 fn autocast_rejects_non_float_dtype() {
     let err = AutocastGuard::new(Device::Cpu, true, Kind::Int64).unwrap_err();
-    assert!(matches!(err, AmpError::InvalidOption { option: "dtype", .. }), "{err}");
+    assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "dtype", .. })), "{err}");
     assert!(!autocast_state(Device::Cpu).unwrap().enabled);
 }
 
@@ -83,7 +84,7 @@ fn shim_turns_cpp_exception_into_error() {
     check_aten_op("add.Tensor").unwrap();
     let err = check_aten_op("definitely_not_an_op").unwrap_err();
     match &err {
-        AmpError::UnknownOp { name, message } => {
+        AmpError::Config(ConfigError::UnknownOp { name, message }) => {
             assert_eq!(name, "definitely_not_an_op");
             assert!(message.contains("aten::definitely_not_an_op"), "{message}");
         }

@@ -20,6 +20,7 @@ use crate::common::reference::{bits_equal, describe_diff, Fixture};
 use serde_json::Value;
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::{ConfigError, StateError, UsageError};
 use tch_amp::fp16_utils::{
     bn_convert_float, clip_grad_norm, convert_network, fp16_model, master_params_to_model_params,
     model_grads_to_master_grads, network_to_half, prep_param_lists, to_python_float, DynamicLossArgs, Fp16Optimizer,
@@ -258,12 +259,12 @@ fn fp16_optimizer_dynamic_loss_args_follow_apex() {
     assert!(!plain.dynamic_loss_scale());
     // Apex ignored scale_factor; a value other than 2 would not reproduce the Python run.
     let err = dynamic(DynamicLossArgs::default().scale_factor(4.0)).unwrap_err();
-    assert!(matches!(err, AmpError::InvalidOption { option: "scale_factor", .. }), "{err}");
+    assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "scale_factor", .. })), "{err}");
     let err = dynamic(DynamicLossArgs::default().scale_window(0)).unwrap_err();
-    assert!(matches!(err, AmpError::InvalidOption { option: "scale_window", .. }), "{err}");
+    assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "scale_window", .. })), "{err}");
     let err = Fp16Optimizer::new(&vs, nn::Sgd::default(), 0.1, Fp16OptimizerOptions::default().static_loss_scale(0.0))
         .unwrap_err();
-    assert!(matches!(err, AmpError::InvalidOption { option: "static_loss_scale", .. }), "{err}");
+    assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "static_loss_scale", .. })), "{err}");
 }
 
 #[test]
@@ -276,23 +277,23 @@ fn fp16_optimizer_bad_calls_are_typed_and_change_nothing() {
     let unchanged =
         |opt: &Fp16Optimizer| opt.master_params().iter().zip(&before).all(|(a, b)| bits_equal(&a.detach(), b));
     // step before any backward
-    assert!(matches!(opt.step(), Err(AmpError::NoGradients)));
+    assert!(matches!(opt.step(), Err(AmpError::Usage(UsageError::NoGradients))));
     assert!(unchanged(&opt));
     // step after backward_with(.., false) without update_master_grads
     let x = fx.get("sgd_dynamic/x").get(0);
     let y = fx.get("sgd_dynamic/y").get(0);
     opt.backward_with(&forward(&vs, &x, &y), false).unwrap();
-    assert!(matches!(opt.step(), Err(AmpError::MasterGradsNotUpdated)));
+    assert!(matches!(opt.step(), Err(AmpError::Usage(UsageError::CallOrder { .. }))));
     assert!(unchanged(&opt));
     opt.update_master_grads().unwrap();
     assert!(opt.step().unwrap());
     // a second step without a new backward
-    assert!(matches!(opt.step(), Err(AmpError::NoGradients)));
+    assert!(matches!(opt.step(), Err(AmpError::Usage(UsageError::NoGradients))));
     // a loss that is not a scalar, or has no graph
     let err = opt.backward(&Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err();
-    assert!(matches!(err, AmpError::LossWithoutGraph | AmpError::LossNotScalar { .. }), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::BadLoss { .. })), "{err}");
     let err = opt.backward(&Tensor::ones([], (Kind::Float, Device::Cpu))).unwrap_err();
-    assert!(matches!(err, AmpError::LossWithoutGraph), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::BadLoss { .. })), "{err}");
 
     // load_state_dict with a master of the wrong shape: an error, and nothing changes.
     let after: Vec<Tensor> = opt.master_params().iter().map(|t| t.detach().copy()).collect();
@@ -301,17 +302,17 @@ fn fp16_optimizer_bad_calls_are_typed_and_change_nothing() {
     state.fp32_from_fp16[0][0] = Tensor::zeros([3, 8], (Kind::Float, Device::Cpu));
     state.loss_scaler.loss_scale = 4.0;
     let err = opt.load_state_dict(state).unwrap_err();
-    assert!(matches!(err, AmpError::StateMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::State(StateError::StateMismatch { .. })), "{err}");
     assert_eq!(opt.loss_scale(), scale);
     assert!(opt.master_params().iter().zip(&after).all(|(a, b)| bits_equal(&a.detach(), b)));
     // a scaler state that disagrees with dynamic_loss_scale
     let mut state = opt.state_dict().unwrap();
     state.dynamic_loss_scale = false;
-    assert!(matches!(opt.load_state_dict(state), Err(AmpError::StateMismatch { .. })));
+    assert!(matches!(opt.load_state_dict(state), Err(AmpError::State(StateError::StateMismatch { .. }))));
     // a master holding NaN (checked by the optimizer record): nothing changes either
     let mut state = opt.state_dict().unwrap();
     state.fp32_from_fp16[0][1] = Tensor::full([4], f64::NAN, (Kind::Float, Device::Cpu));
-    assert!(matches!(opt.load_state_dict(state), Err(AmpError::StateMismatch { .. })));
+    assert!(matches!(opt.load_state_dict(state), Err(AmpError::State(StateError::StateMismatch { .. }))));
     assert!(opt.master_params().iter().zip(&after).all(|(a, b)| bits_equal(&a.detach(), b)));
 
     // bf16 (or f64) trainable variables: Apex's TypeError
@@ -319,7 +320,7 @@ fn fp16_optimizer_bad_calls_are_typed_and_change_nothing() {
     let _lin = nn::linear(vs.root() / "fc", 3, 2, Default::default());
     convert_network(&vs, Kind::BFloat16).unwrap();
     let err = Fp16Optimizer::new(&vs, nn::Sgd::default(), 0.1, Default::default()).unwrap_err();
-    assert!(matches!(err, AmpError::LegacyParamDtype { kind: Kind::BFloat16, .. }), "{err}");
+    assert!(matches!(err, AmpError::Config(ConfigError::LegacyParamDtype { kind: Kind::BFloat16, .. })), "{err}");
 }
 
 /// Apex's tests/L0/run_fp16util: DummyNetWrapper (bn, dn.conv1, dn.bn1 without affine,
@@ -473,7 +474,7 @@ fn prep_param_lists_and_the_manual_master_recipe() {
     // Lists that do not pair up: typed error, nothing changes.
     let before = model[0].copy();
     let err = master_params_to_model_params(&model, &masters[..1], false).unwrap_err();
-    assert!(matches!(err, AmpError::ParamListMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::ParamListMismatch { .. })), "{err}");
     assert!(bits_equal(&model[0], &before));
 }
 
@@ -502,7 +503,7 @@ fn prep_param_lists_flat_master() {
     assert!(bits_equal(&model[1], &Tensor::full([4], 0.375, (Kind::Half, Device::Cpu))));
     // flat with the wrong number of masters / mixed dtypes: typed errors
     let err = model_grads_to_master_grads(&model, &[flat.shallow_clone(), flat.shallow_clone()], true).unwrap_err();
-    assert!(matches!(err, AmpError::ParamListMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::ParamListMismatch { .. })), "{err}");
     let mixed = VarStore::new(Device::Cpu);
     let _ = mixed.root().var_copy("a", &Tensor::ones([2], (Kind::Float, Device::Cpu)));
     let h = mixed.root().var_copy("b", &Tensor::ones([2], (Kind::Float, Device::Cpu)));
@@ -511,7 +512,7 @@ fn prep_param_lists_flat_master() {
         h.shallow_clone().set_data(&h.to_kind(Kind::Half));
     }
     let err = prep_param_lists(&mixed, true).unwrap_err();
-    assert!(matches!(err, AmpError::ParamListMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::ParamListMismatch { .. })), "{err}");
     assert_eq!(prep_param_lists(&mixed, false).unwrap().1.len(), 2, "non-flat accepts mixed dtypes");
 }
 
@@ -520,7 +521,7 @@ fn to_python_float_and_clip_grad_norm() {
     assert_eq!(to_python_float(&Tensor::from_slice(&[2.5f32])).unwrap(), 2.5);
     assert_eq!(to_python_float(&Tensor::from(-3.0f64)).unwrap(), -3.0);
     let err = to_python_float(&Tensor::from_slice(&[1.0f32, 2.0])).unwrap_err();
-    assert!(matches!(err, AmpError::ParamListMismatch { .. }), "{err}");
+    assert!(matches!(err, AmpError::Usage(UsageError::ParamListMismatch { .. })), "{err}");
 
     // grads [3, 4] and [0]: norm 5; coefficient max_norm / (5 + 1e-6) in fp32, as torch.
     let p1 = Tensor::zeros([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
@@ -540,7 +541,10 @@ fn to_python_float_and_clip_grad_norm() {
     assert_eq!(clip_grad_norm(&[p1.shallow_clone()], 10.0, f64::INFINITY).unwrap(), f64::from(4.0f32 * coef));
     let bare = Tensor::zeros([2], (Kind::Float, Device::Cpu));
     assert_eq!(clip_grad_norm(&[bare], 1.0, 2.0).unwrap(), 0.0);
-    assert!(matches!(clip_grad_norm(&[p1], -1.0, 2.0), Err(AmpError::InvalidOption { option: "max_norm", .. })));
+    assert!(matches!(
+        clip_grad_norm(&[p1], -1.0, 2.0),
+        Err(AmpError::Config(ConfigError::InvalidOption { option: "max_norm", .. }))
+    ));
 }
 
 #[test]
@@ -579,7 +583,10 @@ fn legacy_dynamic_loss_scaler_follows_apex() {
     assert_eq!(s.loss_scale(), 1.0);
     s.update_scale(false); // iteration 5: 3 after it
     assert_eq!(s.loss_scale(), 4.0);
-    assert!(matches!(DynamicLossScaler::new(8.0, 2.0, 0), Err(AmpError::InvalidOption { option: "scale_window", .. })));
+    assert!(matches!(
+        DynamicLossScaler::new(8.0, 2.0, 0),
+        Err(AmpError::Config(ConfigError::InvalidOption { option: "scale_window", .. }))
+    ));
     // has_overflow sums each gradient in fp32 (Apex's check): a finite fp32 gradient whose sum
     // overflows counts; an fp16 inf too.
     let p = Tensor::zeros([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
@@ -656,6 +663,6 @@ fn fp16_optimizer_checkpoint_file_resumes_bit_for_bit() {
     let vs3 = model(&fx, "sgd_dynamic");
     let mut adam = Fp16Optimizer::new(&vs3, nn::Adam::default(), 1e-3, Fp16OptimizerOptions::default()).unwrap();
     let before = adam.master_params()[0].detach().copy();
-    assert!(matches!(adam.load_checkpoint(&path, &vs3), Err(AmpError::StateMismatch { .. })));
+    assert!(matches!(adam.load_checkpoint(&path, &vs3), Err(AmpError::State(StateError::StateMismatch { .. }))));
     assert!(bits_equal(&adam.master_params()[0].detach(), &before));
 }

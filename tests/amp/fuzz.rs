@@ -6,6 +6,7 @@
 //! the same tensors and metadata as the file) and the next training steps do not panic.
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use tch_amp::error::{ConfigError, StateError};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -181,7 +182,7 @@ fn fuzz_state_dict_loader() {
                     }
                     t.next_steps();
                 }
-                Err(AmpError::StateMismatch { .. }) => {
+                Err(AmpError::State(StateError::StateMismatch { .. })) => {
                     rejected.set(rejected.get() + 1);
                     prop_assert!(t.amp.scalers() == &before[..], "{state}: a failed load changed the scalers");
                 }
@@ -545,7 +546,11 @@ fn fuzz_checkpoint_loader() {
                 t.step(7);
             }
             // PoisonedState: a mutated second moment below zero, refused before anything applies.
-            Err(AmpError::StateMismatch { .. } | AmpError::Io { .. } | AmpError::PoisonedState { .. }) => {
+            Err(
+                AmpError::State(StateError::StateMismatch { .. })
+                | AmpError::Io { .. }
+                | AmpError::State(StateError::PoisonedState { .. }),
+            ) => {
                 rejected.set(rejected.get() + 1);
                 prop_assert!(same_snapshot(&ckpt_snapshot(t), &before), "{m:?}: a failed load changed the state");
             }
@@ -650,7 +655,7 @@ fn fuzz_cast_files() {
                     *policy = CastPolicy::apex();
                 }
             }
-            Err(AmpError::Parse { .. } | AmpError::UnknownOp { .. }) => {
+            Err(AmpError::Config(ConfigError::Parse { .. }) | AmpError::Config(ConfigError::UnknownOp { .. })) => {
                 rejected.set(rejected.get() + 1);
                 prop_assert!(*policy == before, "{text:?}: a failed load changed the policy");
             }
@@ -680,7 +685,9 @@ fn fuzz_cast_files() {
                     p_ok.set(p_ok.get() + 1);
                     prop_assert!(p.resolve(Device::Cpu).is_ok());
                 }
-                Err(AmpError::Parse { .. } | AmpError::UnknownOp { .. }) => p_err.set(p_err.get() + 1),
+                Err(AmpError::Config(ConfigError::Parse { .. }) | AmpError::Config(ConfigError::UnknownOp { .. })) => {
+                    p_err.set(p_err.get() + 1)
+                }
                 Err(other) => return Err(TestCaseError::fail(format!("{text:?}: untyped error {other:?}"))),
             }
             Ok(())

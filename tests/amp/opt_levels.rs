@@ -1,6 +1,7 @@
 //! Apex's opt-level table (apex/amp/frontend.py at e13873de, classes O0-O3), the overrides,
 //! and every rejection of `amp.initialize`'s options as a typed error.
 use tch::Kind;
+use tch_amp::error::ConfigError;
 use tch_amp::scaling::LossScaler;
 use tch_amp::{AmpConfig, AmpError, LossScale, OptLevel, Properties};
 
@@ -21,14 +22,15 @@ fn build(c: AmpConfig) -> Properties {
 
 fn incompatible(c: AmpConfig, level: OptLevel, option: &str) {
     match c.build() {
-        Err(AmpError::IncompatibleOption { level: l, option: o, .. }) if l == level && o == option => {}
+        Err(AmpError::Config(ConfigError::IncompatibleOption { level: l, option: o, .. }))
+            if l == level && o == option => {}
         other => panic!("{c:?}: expected IncompatibleOption {{ {level}, {option} }}, got {other:?}"),
     }
 }
 
 fn invalid<T: std::fmt::Debug>(r: Result<T, AmpError>, option: &str) {
     match r {
-        Err(AmpError::InvalidOption { option: o, .. }) if o == option => {}
+        Err(AmpError::Config(ConfigError::InvalidOption { option: o, .. })) if o == option => {}
         other => panic!("expected InvalidOption {{ {option} }}, got {other:?}"),
     }
 }
@@ -163,12 +165,12 @@ fn unknown_opt_level_says_letter_o() {
     for name in ["00", "o2", "O4", "0", "", "O 1", "02", "o1"] {
         let e = AmpError::from(name.parse::<OptLevel>().unwrap_err());
         match &e {
-            AmpError::UnknownOptLevel { name: n } => assert_eq!(n, name),
+            AmpError::Config(ConfigError::UnknownOptLevel { name: n }) => assert_eq!(n, name),
             other => panic!("{name:?}: {other:?}"),
         }
         let msg = e.to_string();
         assert!(msg.contains("letter O") && msg.contains("zero"), "{msg}");
-        assert!(matches!(AmpConfig::from_apex(name, &[]), Err(AmpError::UnknownOptLevel { .. })));
+        assert!(matches!(AmpConfig::from_apex(name, &[]), Err(AmpError::Config(ConfigError::UnknownOptLevel { .. }))));
     }
     for level in OptLevel::ALL {
         assert_eq!(level.to_string().parse::<OptLevel>().unwrap(), level);

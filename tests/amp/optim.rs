@@ -27,6 +27,7 @@
 
 use std::sync::OnceLock;
 use std::time::Duration;
+use tch_amp::error::{ConfigError, UsageError};
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -237,13 +238,13 @@ fn param_without_grad_is_not_touched() {
         let z0 = var(&vs, "z").copy();
         for _ in 0..3 {
             // Nothing to step: a typed error, never a reported step that did not happen.
-            assert!(matches!(opt.step(), Err(tch_amp::AmpError::NoGradients)));
+            assert!(matches!(opt.step(), Err(tch_amp::AmpError::Usage(UsageError::NoGradients))));
         }
         assert!(crate::common::same(&var(&vs, "z"), &z0), "{config:?} updated a parameter with no gradient");
     }
 }
 
-/// `set_lr` with a negative or non-finite rate is `AmpError::InvalidOption` and changes
+/// `set_lr` with a negative or non-finite rate is `ConfigError::InvalidOption` and changes
 /// nothing: the following steps use the old rate and still match torch's SGD(lr=0.01).
 #[test]
 fn set_lr_rejects_bad_rates_and_changes_nothing() {
@@ -253,7 +254,7 @@ fn set_lr_rejects_bad_rates_and_changes_nothing() {
     for _ in 0..3 {
         for bad in [-0.1, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
             match opt.set_lr(bad) {
-                Err(AmpError::InvalidOption { option: "lr", .. }) => {}
+                Err(AmpError::Config(ConfigError::InvalidOption { option: "lr", .. })) => {}
                 other => panic!("set_lr({bad}) gave {other:?}"),
             }
             assert_eq!(opt.lr(), 0.01);
@@ -276,7 +277,7 @@ fn set_lr_rejects_bad_rates_and_changes_nothing() {
     // The same check at construction.
     for bad in [-1.0, f64::NAN] {
         match amp.optimizer(&vs, sgd(0.0, 0.0, 0.0, false), bad) {
-            Err(AmpError::InvalidOption { option: "lr", .. }) => {}
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "lr", .. })) => {}
             other => panic!("optimizer(lr = {bad}) gave {other:?}"),
         }
     }

@@ -13,6 +13,7 @@ use crate::common::reference::{bits_equal, case_shapes as shapes, describe_diff,
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::ConfigError;
 use tch_amp::{Amp, AmpConfig, OptLevel, OptimizerConfig};
 
 fn fixture() -> Fixture {
@@ -187,7 +188,7 @@ fn fused_is_only_for_adam_and_adamw() {
     for cfg in [OptimizerConfig::from(nn::sgd(0.9, 0.0, 0.0, false)), nn::rms_prop(0.99, 1e-8, 0.0, 0.0, false).into()]
     {
         match amp.optimizer(&vs, cfg.fused(true), 0.1) {
-            Err(tch_amp::AmpError::InvalidOption { option: "fused", .. }) => {}
+            Err(tch_amp::AmpError::Config(ConfigError::InvalidOption { option: "fused", .. })) => {}
             other => panic!("fused {cfg:?}: {other:?}"),
         }
     }

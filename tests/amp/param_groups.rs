@@ -15,6 +15,7 @@ use crate::common::reference::{bits_equal, describe_diff, split_flat, torch_hype
 use serde_json::Value;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::{ConfigError, StateError};
 use tch_amp::optim::{GroupView, HyperParams, StateSpec};
 use tch_amp::{
     load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpOptimizer, OptLevel, OptimizerConfig, ParamGroup,
@@ -51,7 +52,7 @@ impl UpdateRule for BertAdam {
         if eps > 0.0 {
             Ok(())
         } else {
-            Err(AmpError::InvalidOption { option: "eps", value: eps.to_string(), expected: "> 0" })
+            Err(AmpError::Config(ConfigError::InvalidOption { option: "eps", value: eps.to_string(), expected: "> 0" }))
         }
     }
 
@@ -301,7 +302,7 @@ fn checkpoint_groups_and_rule_must_match() {
     };
     let before = snapshot(&without.vs);
     match load_checkpoint(&path, &without.vs, &mut [&mut without.opt], &mut without.amp) {
-        Err(AmpError::StateMismatch { .. }) => {}
+        Err(AmpError::State(StateError::StateMismatch { .. })) => {}
         other => panic!("loaded into an optimizer without the added group: {other:?}"),
     }
     let after = snapshot(&without.vs);
@@ -316,7 +317,9 @@ fn checkpoint_groups_and_rule_must_match() {
     let cfg = nn::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-6, wd: 0.01, amsgrad: false };
     adamw.opt = adamw.amp.optimizer_groups(&adamw.vs, cfg, 1e-2, &[ParamGroup::all()]).unwrap();
     match load_checkpoint(&bert_path, &adamw.vs, &mut [&mut adamw.opt], &mut adamw.amp) {
-        Err(AmpError::StateMismatch { message }) => assert!(message.contains("bert_adam"), "{message}"),
+        Err(AmpError::State(StateError::StateMismatch { message })) => {
+            assert!(message.contains("bert_adam"), "{message}")
+        }
         other => panic!("a BertAdam record loaded into AdamW: {other:?}"),
     }
 }
@@ -332,11 +335,11 @@ fn add_param_group_errors_change_nothing() {
     let _model = amp.cast_model(&vs, ()).unwrap();
     let mut opt = amp.optimizer_groups(&vs, nn::AdamW::default(), 1e-3, &[ParamGroup::names(&["w"])]).unwrap();
     match opt.add_param_group(&vs, ParamGroup::names(&["w"])) {
-        Err(AmpError::ParamInTwoGroups { .. }) => {}
+        Err(AmpError::Config(ConfigError::ParamInTwoGroups { .. })) => {}
         other => panic!("{other:?}"),
     }
     match opt.add_param_group(&vs, ParamGroup::names(&["b"]).set("momentum", 0.9)) {
-        Err(AmpError::UnknownHyperParameter { .. }) => {}
+        Err(AmpError::Config(ConfigError::UnknownHyperParameter { .. })) => {}
         other => panic!("{other:?}"),
     }
     assert_eq!(opt.param_groups(), [0]);

@@ -1,12 +1,12 @@
-//! Loading parts of a tch-amp checkpoint (torch's `model.load_state_dict(ckpt["model"],
-//! strict)` and `optimizer.load_state_dict(ckpt["optimizer"])`): model weights alone (the fp32
-//! masters follow), optimizer state alone, strict and not, with the missing and unexpected keys
-//! reported (typed: [`LoadReport`] and [`AmpError::IncompatibleKeys`]); weights plus optimizer
-//! state loaded separately continue exactly as a full `load_checkpoint`; a failed load changes
-//! nothing.
+//! Loading parts of a tch-amp checkpoint (torch's `model.load_state_dict(ckpt["model"], strict)`
+//! and `optimizer.load_state_dict(ckpt["optimizer"])`): model weights alone (the fp32 masters
+//! follow), optimizer state alone, strict and not, with the missing and unexpected keys reported
+//! (typed: [`LoadReport`] and [`StateError::IncompatibleKeys`]); weights plus optimizer state
+//! loaded separately continue exactly as a full `load_checkpoint`; a failed load changes nothing.
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::checkpoint::{load_model_weights, load_optimizer_state, LoadReport};
+use tch_amp::error::StateError;
 use tch_amp::optim::OptimizerRecord;
 use tch_amp::{load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel};
 
@@ -127,7 +127,7 @@ fn model_weights_strict_and_not() {
     let mut r = setup(true);
     let before = snapshot(&r);
     match load_model_weights(&path, &r.vs, &mut [&mut r.opt], true) {
-        Err(AmpError::IncompatibleKeys { missing_keys, unexpected_keys, .. }) => {
+        Err(AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, .. })) => {
             assert_eq!(missing_keys, ["extra.w"]);
             assert!(unexpected_keys.is_empty());
         }
@@ -160,7 +160,9 @@ fn model_weights_strict_and_not() {
     save_checkpoint(&extra_path, &with_extra.vs, &[&with_extra.opt], &with_extra.amp).unwrap();
     let mut plain = setup(false);
     match load_model_weights(&extra_path, &plain.vs, &mut [&mut plain.opt], true) {
-        Err(AmpError::IncompatibleKeys { unexpected_keys, .. }) => assert_eq!(unexpected_keys, ["extra.w"]),
+        Err(AmpError::State(StateError::IncompatibleKeys { unexpected_keys, .. })) => {
+            assert_eq!(unexpected_keys, ["extra.w"])
+        }
         other => panic!("{other:?}"),
     }
     let report = load_model_weights(&extra_path, &plain.vs, &mut [], false).unwrap();
@@ -180,7 +182,9 @@ fn a_shape_mismatch_loads_nothing() {
     let before: Vec<Tensor> = ["fc1.weight", "fc2.weight"].iter().map(|n| vs.variables()[*n].copy()).collect();
     for strict in [true, false] {
         match load_model_weights(&path, &vs, &mut [], strict) {
-            Err(AmpError::StateMismatch { message }) => assert!(message.contains("fc2"), "{message}"),
+            Err(AmpError::State(StateError::StateMismatch { message })) => {
+                assert!(message.contains("fc2"), "{message}")
+            }
             other => panic!("strict {strict}: {other:?}"),
         }
     }
@@ -197,7 +201,7 @@ fn optimizer_state_strict_and_not() {
     let (path, original) = saved(&dir);
     let mut r = setup(true);
     match load_optimizer_state(&path, &mut [&mut r.opt], true) {
-        Err(AmpError::IncompatibleKeys { missing_keys, unexpected_keys, what }) => {
+        Err(AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, what })) => {
             assert_eq!((missing_keys, unexpected_keys), (vec!["extra.w".to_string()], vec![]));
             assert_eq!(what, "optimizer 0 state");
         }
@@ -221,7 +225,7 @@ fn optimizer_state_strict_and_not() {
     let mut sgd = setup(false);
     sgd.opt = sgd.amp.optimizer(&sgd.vs, nn::Sgd::default(), 0.1).unwrap();
     match load_optimizer_state(&path, &mut [&mut sgd.opt], false) {
-        Err(AmpError::StateMismatch { message }) => assert!(message.contains("adam"), "{message}"),
+        Err(AmpError::State(StateError::StateMismatch { message })) => assert!(message.contains("adam"), "{message}"),
         other => panic!("{other:?}"),
     }
 }

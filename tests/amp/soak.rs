@@ -14,7 +14,7 @@
 //! overflow every 20 steps on average halves the scale 40 times before 2,000 clean passes in a
 //! row could double it once, the scale reaches the floor, the scaled gradients underflow to
 //! exactly zero there, and after `collapse_limit` (20) such passes `step()` returns
-//! `AmpError::GradientsVanished` (see reliability.rs). `min_loss_scale` (a floor the gradients
+//! `Divergence::GradientsVanished` (see reliability.rs). `min_loss_scale` (a floor the gradients
 //! survive, 1 here) or `recovery_growth_interval(n)` (after a storm, double every `n` clean
 //! passes until the scale is back where it was) keep such a run training; `collapse_limit(0)`
 //! only silences the error.

@@ -1,9 +1,10 @@
 //! `Amp::state_dict` / `load_state_dict`: Apex's form (`{"loss_scaler0": {"loss_scale": f,
 //! "unskipped": n}, ...}`), torch `GradScaler.state_dict()` accepted for one loss, and every
-//! bad state rejected with `AmpError::StateMismatch` before anything is applied.
+//! bad state rejected with `StateError::StateMismatch` before anything is applied.
 use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
+use tch_amp::error::StateError;
 use tch_amp::{Amp, AmpConfig, AmpError, AmpOptimizer, LossScale, OptLevel, ScaleLossOptions};
 
 /// An fp32 model (O0) with dynamic loss scaling, so scale_loss runs the scaler: one variable
@@ -182,7 +183,7 @@ fn rejects(num_losses: usize, bad: Value) {
     let before = state(&amp);
     let before_meta = (amp.scaler(0).unwrap().growth_interval(), amp.scaler(0).unwrap().factors());
     match amp.load_state_dict(&bad) {
-        Err(AmpError::StateMismatch { .. }) => {}
+        Err(AmpError::State(StateError::StateMismatch { .. })) => {}
         other => panic!("{bad} with num_losses {num_losses}: {other:?}"),
     }
     assert_eq!(state(&amp), before, "{bad}: something was applied");

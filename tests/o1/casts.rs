@@ -3,6 +3,7 @@
 //! threads. Apex's sizes: h = 64, b = 16, c = 16, k = 3.
 
 use std::sync::{Arc, Barrier};
+use tch_amp::error::{ConfigError, OpRefused};
 
 use crate::common::*;
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
@@ -113,7 +114,10 @@ fn bce_on_half_is_a_typed_error_and_float_with_allow_banned() {
         let _active = on_cpu(&handle);
         let err = x.f_binary_cross_entropy(&target, None::<Tensor>, Reduction::Mean).unwrap_err();
         let err = classify_torch_error(err);
-        assert!(matches!(&err, AmpError::BannedOp { op } if op == "binary_cross_entropy"), "{err}");
+        assert!(
+            matches!(&err, AmpError::OpRefused(OpRefused::BannedOp { op }) if op == "binary_cross_entropy"),
+            "{err}"
+        );
         assert!(err.to_string().contains("binary_cross_entropy_with_logits"), "{err}");
         // Apex refuses only when an input is fp16: fp32 inputs run.
         let ok = x.to_kind(Kind::Float).binary_cross_entropy(&target, None::<Tensor>, Reduction::Mean);
@@ -191,11 +195,14 @@ fn inplace_exp_is_an_error_for_half() {
     let mut xs = randn(&[B], Kind::Half);
     let before = to_vec(&xs);
     let err = classify_torch_error(xs.f_exp_().unwrap_err());
-    assert!(matches!(&err, AmpError::InPlaceFp32OnHalf { op, dtype: Kind::Half } if op == "exp_"), "{err}");
+    assert!(
+        matches!(&err, AmpError::OpRefused(OpRefused::InPlaceFp32OnHalf { op, dtype: Kind::Half }) if op == "exp_"),
+        "{err}"
+    );
     assert_eq!(to_vec(&xs), before, "the refused op must not have written");
     // Other fp32-list ops too (log_); in-place ops of other lists are fine.
     let err = classify_torch_error(xs.f_log_().unwrap_err());
-    assert!(matches!(&err, AmpError::InPlaceFp32OnHalf { op, .. } if op == "log_"), "{err}");
+    assert!(matches!(&err, AmpError::OpRefused(OpRefused::InPlaceFp32OnHalf { op, .. }) if op == "log_"), "{err}");
     let _ = xs.f_mul_(&randn(&[B], Kind::Float)).unwrap();
     assert_eq!(xs.kind(), Kind::Half);
 }
@@ -254,7 +261,7 @@ fn user_casts_take_precedence_and_unknown_ops_are_typed_errors() {
     policy.register_half_function("sigmoid").unwrap(); // in no list
     policy.register_promote_function("where.self").unwrap();
     let err = policy.register_half_function("no_such_op").unwrap_err();
-    assert!(matches!(&err, AmpError::UnknownOp { name, .. } if name == "no_such_op"), "{err}");
+    assert!(matches!(&err, AmpError::Config(ConfigError::UnknownOp { name, .. }) if name == "no_such_op"), "{err}");
     let err = policy.register_float_function("softmax.no_such_overload").unwrap_err();
     assert!(err.to_string().contains("int"), "lists the overloads there are: {err}");
     assert!(policy.register_float_function("mm.out").is_err(), "out= overloads are never cast");
@@ -286,11 +293,11 @@ fn user_casts_load_from_a_toml_file() {
     let mut bad = tempfile::NamedTempFile::new().unwrap();
     std::io::Write::write_all(&mut bad, b"half = [\"exp\", \"nope_not_an_op\"]\n").unwrap();
     let before = policy.clone();
-    assert!(matches!(policy.load_user_casts(bad.path()), Err(AmpError::UnknownOp { .. })));
+    assert!(matches!(policy.load_user_casts(bad.path()), Err(AmpError::Config(ConfigError::UnknownOp { .. }))));
     assert_eq!(policy, before);
     let mut typo = tempfile::NamedTempFile::new().unwrap();
     std::io::Write::write_all(&mut typo, b"halve = [\"exp\"]\n").unwrap();
-    assert!(matches!(policy.load_user_casts(typo.path()), Err(AmpError::Parse { .. })));
+    assert!(matches!(policy.load_user_casts(typo.path()), Err(AmpError::Config(ConfigError::Parse { .. }))));
     assert!(matches!(policy.load_user_casts("/no/such/file.toml"), Err(AmpError::Io { .. })));
 }
 

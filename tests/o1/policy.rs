@@ -8,6 +8,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 use tch_amp::cast::CastSettings;
 use tch_amp::cast::{install_policy, AutocastGuard, Cast, CastLists};
 use tch_amp::diagnostics::{aten_overloads, emulated_ops, kernels_registered, libtorch_autocast_ops};
+use tch_amp::error::ConfigError;
 use tch_amp::{AmpError, CastPolicy};
 
 #[test]
@@ -83,7 +84,7 @@ fn entries_resolve_like_the_dispatcher_names_them() {
     assert_eq!(aten_overloads("mm.default").unwrap(), vec!["mm"]);
     assert_eq!(aten_overloads("pow.Scalar").unwrap(), vec!["pow.Scalar"]);
     for bad in ["no_such_op", "mm.no_such_overload", "aten::mm", "mm.out", "", "m m"] {
-        assert!(matches!(aten_overloads(bad), Err(AmpError::UnknownOp { .. })), "{bad:?}");
+        assert!(matches!(aten_overloads(bad), Err(AmpError::Config(ConfigError::UnknownOp { .. }))), "{bad:?}");
     }
 }
 
@@ -105,16 +106,16 @@ fn policy_toml_round_trips_and_rejects_conflicts() {
     assert_eq!(cpu["pow.Tensor_Scalar"], Cast::Promote);
 
     let conflict = CastPolicy::from_toml_str("[all]\nfp32 = [\"exp\"]\nlow_precision = [\"exp\"]\n");
-    assert!(matches!(conflict, Err(AmpError::Parse { .. })), "{conflict:?}");
+    assert!(matches!(conflict, Err(AmpError::Config(ConfigError::Parse { .. }))), "{conflict:?}");
     let unknown = CastPolicy::from_toml_str("[all]\nfp32 = [\"exq\"]\n");
-    assert!(matches!(unknown, Err(AmpError::UnknownOp { .. })), "{unknown:?}");
+    assert!(matches!(unknown, Err(AmpError::Config(ConfigError::UnknownOp { .. }))), "{unknown:?}");
     let typo = CastPolicy::from_toml_str("[all]\nfp16 = [\"exp\"]\n");
-    assert!(matches!(typo, Err(AmpError::Parse { .. })), "{typo:?}");
+    assert!(matches!(typo, Err(AmpError::Config(ConfigError::Parse { .. }))), "{typo:?}");
     let bad = install_policy(
         CastPolicy { all: CastLists { fp32: vec!["exq".into()], ..Default::default() }, ..Default::default() },
         CastSettings::default(),
     );
-    assert!(matches!(bad, Err(AmpError::UnknownOp { .. })));
+    assert!(matches!(bad, Err(AmpError::Config(ConfigError::UnknownOp { .. }))));
 }
 
 type Call<'a> = Box<dyn Fn() -> Tensor + 'a>;

@@ -3,6 +3,7 @@
 //! on the same thread (either way round).
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::autocast_state;
+use tch_amp::error::UsageError;
 use tch_amp::torch_amp::{Autocast, TorchAmpError};
 use tch_amp::{AmpConfig, AmpError, OptLevel};
 
@@ -77,7 +78,7 @@ fn apex_policy_and_torch_autocast_exclude_each_other_on_a_thread() {
         // torch autocast active: the Apex policy refused.
         tch_amp::autocast(Device::Cpu, || {
             let e = tch_amp::Amp::new(&AmpConfig::new(OptLevel::O1).verbosity(0)).unwrap_err();
-            assert!(matches!(e, AmpError::TorchAutocastActive), "{e}");
+            assert!(matches!(e, AmpError::Usage(UsageError::TorchAutocastActive)), "{e}");
         })
         .unwrap();
         // Afterwards both work again.

@@ -1,6 +1,7 @@
 //! O2's master-gradient path: the fp16 gradients a `scale_loss` pass leaves for `step`, made
 //! into fp32 master gradients a slice at a time inside `step`, or all at once when something
 //! needs them earlier.
+use crate::error::UsageError;
 use tch::{Kind, Tensor};
 
 use super::{AmpOptimizer, Stage};
@@ -66,7 +67,7 @@ impl AmpOptimizer {
             Ok(())
         } else {
             changed.truncate(5);
-            Err(AmpError::ModelGradsChanged { params: changed })
+            Err(AmpError::Usage(UsageError::ModelGradsChanged { params: changed }))
         }
     }
 

@@ -4,6 +4,7 @@
 //! An adaptor around an [`UpdateRule`] (run by `engine`), split by job: the user's API and the
 //! per-step [`Stage`] here; the hooks `scale_loss` calls in `protocol`; O2's master gradients
 //! in `masters`; what it saves and restores in `records`.
+use crate::error::{ConfigError, UsageError};
 use std::sync::{Mutex, MutexGuard};
 
 use tch::nn::VarStore;
@@ -222,30 +223,30 @@ impl AmpOptimizer {
     /// optimizer.param_groups: g["lr"] = lr`).
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    /// [`ConfigError::InvalidOption`] for a negative or non-finite rate (nothing changes).
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         self.inner.set_lr(lr)
     }
 
-    /// Sets the learning rate of one parameter group (torch: `param_groups[i]["lr"] = lr`).
-    /// Group ids are those of [`Self::param_groups`]: for an optimizer built from a VarStore's
-    /// groups, the tch group (variables created under `vs.root().set_group(group)`); for one
-    /// built from [`ParamGroup`]s, the group's position.
+    /// Sets the learning rate of one parameter group (torch: `param_groups[i]["lr"] = lr`). Group
+    /// ids are those of [`Self::param_groups`]: for an optimizer built from a VarStore's groups,
+    /// the tch group (variables created under `vs.root().set_group(group)`); for one built from
+    /// [`ParamGroup`]s, the group's position.
     ///
     /// # Errors
-    /// [`AmpError::UnknownParamGroup`] for a group id the optimizer does not have;
-    /// [`AmpError::InvalidOption`] for a negative or non-finite rate (nothing changes).
+    /// [`ConfigError::UnknownParamGroup`] for a group id the optimizer does not have;
+    /// [`ConfigError::InvalidOption`] for a negative or non-finite rate (nothing changes).
     pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
         let index = self.group_index(group)?;
         self.inner.set_group_lr(index, lr)
     }
 
-    /// Sets one hyper-parameter of one parameter group (torch: `param_groups[i]["weight_decay"]
-    /// = 0.0`; `"lr"` is the learning rate). Checked as at construction.
+    /// Sets one hyper-parameter of one parameter group (torch: `param_groups[i]["weight_decay"] =
+    /// 0.0`; `"lr"` is the learning rate). Checked as at construction.
     ///
     /// # Errors
-    /// [`AmpError::UnknownParamGroup`]; [`AmpError::UnknownHyperParameter`] for a key the
-    /// optimizer does not have; [`AmpError::InvalidOption`] for a value the rule refuses
+    /// [`ConfigError::UnknownParamGroup`]; [`ConfigError::UnknownHyperParameter`] for a key the
+    /// optimizer does not have; [`ConfigError::InvalidOption`] for a value the rule refuses
     /// (nothing changes).
     pub fn set_hyper_parameter(&mut self, group: usize, key: &str, value: f64) -> Result<()> {
         let index = self.group_index(group)?;
@@ -274,26 +275,27 @@ impl AmpOptimizer {
     }
 
     fn group_index(&self, group: usize) -> Result<usize> {
-        self.inner.group_index(group).ok_or_else(|| AmpError::UnknownParamGroup { group, groups: self.param_groups() })
+        self.inner
+            .group_index(group)
+            .ok_or_else(|| AmpError::Config(ConfigError::UnknownParamGroup { group, groups: self.param_groups() }))
     }
 
-    /// torch.optim's `add_param_group` after `initialize` (Apex patches it the same way under
-    /// O2): adds a group over the trainable variables of `vs` that `group` selects (created
-    /// after `initialize`, or left out of the optimizer until now), with fp32 masters for the
-    /// fp16/bf16 ones under master weights. Hyper-parameters the group does not set are the
-    /// optimizer's defaults (torch's `defaults`), the learning rate the default
-    /// [`Self::lr`]. The new parameters start without state; checkpoints and records cover the
-    /// new group (an optimizer loading them must have the same groups). Returns the new group's
-    /// id.
+    /// torch.optim's `add_param_group` after `initialize` (Apex patches it the same way under O2):
+    /// adds a group over the trainable variables of `vs` that `group` selects (created after
+    /// `initialize`, or left out of the optimizer until now), with fp32 masters for the fp16/bf16
+    /// ones under master weights. Hyper-parameters the group does not set are the optimizer's
+    /// defaults (torch's `defaults`), the learning rate the default [`Self::lr`]. The new
+    /// parameters start without state; checkpoints and records cover the new group (an optimizer
+    /// loading them must have the same groups). Returns the new group's id.
     ///
-    /// Variables made after the model was cast are not cast (as in Apex): make them in the
-    /// model's dtype (fp16 under O2) to get masters.
+    /// Variables made after the model was cast are not cast (as in Apex): make them in the model's
+    /// dtype (fp16 under O2) to get masters.
     ///
     /// # Errors
-    /// [`AmpError::ParamInTwoGroups`] for a variable the optimizer already holds;
-    /// [`AmpError::UnknownVariable`], [`AmpError::NoVariablesUnder`] for a selection that names
-    /// no variable; [`AmpError::UnknownHyperParameter`] and [`AmpError::InvalidOption`] for the
-    /// group's settings. Nothing changes then.
+    /// [`ConfigError::ParamInTwoGroups`] for a variable the optimizer already holds;
+    /// [`ConfigError::UnknownVariable`], [`ConfigError::NoVariablesUnder`] for a selection that
+    /// names no variable; [`ConfigError::UnknownHyperParameter`] and [`ConfigError::InvalidOption`]
+    /// for the group's settings. Nothing changes then.
     pub fn add_param_group(&mut self, vs: &VarStore, group: ParamGroup) -> Result<usize> {
         let taken: Vec<&str> = self.param_names();
         let mut resolved = resolve(vs, std::slice::from_ref(&group), &taken, self.setup.master_weights)?;
@@ -302,11 +304,11 @@ impl AmpOptimizer {
         let hyper = self.inner.group_hyper(glr, &g.overrides)?;
         if let (Some(d), Some(e)) = (self.device(), g.entries.first()) {
             if e.model().device() != d {
-                return Err(AmpError::InvalidOption {
+                return Err(AmpError::Config(ConfigError::InvalidOption {
                     option: "add_param_group",
                     value: format!("{:?}", e.model().device()),
                     expected: "variables on the optimizer's device",
-                });
+                }));
             }
         }
         let id = self.inner.groups().iter().map(|g| g.id + 1).max().unwrap_or(0);
@@ -408,7 +410,7 @@ impl AmpOptimizer {
     /// pending scaled contribution.
     ///
     /// # Errors
-    /// [`AmpError::Shim`] if libtorch refuses (not expected).
+    /// [`AmpError::Torch`](crate::AmpError::Torch) if libtorch refuses (not expected).
     pub fn zero_grad(&mut self) -> Result<()> {
         for e in &self.entries {
             clear_grad(e.model())?;
@@ -421,20 +423,23 @@ impl AmpOptimizer {
         Ok(())
     }
 
-    /// Updates the parameters from their (unscaled) gradients, or skips the update when a
-    /// loss that reached this optimizer overflowed since the last step. With master weights
-    /// the fp16 model is then set to the masters rounded to fp16.
+    /// Updates the parameters from their (unscaled) gradients, or skips the update when a loss that
+    /// reached this optimizer overflowed since the last step. With master weights the fp16 model is
+    /// then set to the masters rounded to fp16.
     ///
     /// # Errors
-    /// - [`AmpError::ScaleCollapsed`]: the step was skipped (as `Skipped`) and the scaler has
-    ///   overflowed `collapse_limit` passes in a row at its floor;
-    /// - [`AmpError::GradientsVanished`]: nothing stepped; the scale sits at its floor and the
-    ///   gradients were all zero `collapse_limit` passes in a row;
-    /// - [`AmpError::GradientsStillScaled`] when the last `scale_loss` used `delay_unscale`;
-    /// - [`AmpError::GradientsNotUnscaled`]: an fp16 model variable holds a gradient its fp32
+    /// - [`Divergence::ScaleCollapsed`](crate::error::Divergence::ScaleCollapsed): the step was
+    ///   skipped (as `Skipped`) and the scaler has overflowed `collapse_limit` passes in a row at
+    ///   its floor;
+    /// - [`Divergence::GradientsVanished`](crate::error::Divergence::GradientsVanished): nothing
+    ///   stepped; the scale sits at its floor and the gradients were all zero `collapse_limit`
+    ///   passes in a row;
+    /// - [`UsageError::CallOrder`](crate::error::UsageError::CallOrder) when the last `scale_loss`
+    ///   used `delay_unscale`;
+    /// - [`UsageError::GradientsNotUnscaled`]: an fp16 model variable holds a gradient its fp32
     ///   master lacks (a backward outside `scale_loss`); nothing changes;
-    /// - [`AmpError::NoGradients`]: no parameter has a gradient (no backward since the last
-    ///   step or `zero_grad`, e.g. a second `step()` after a skipped one); nothing changes;
+    /// - [`UsageError::NoGradients`]: no parameter has a gradient (no backward since the last step
+    ///   or `zero_grad`, e.g. a second `step()` after a skipped one); nothing changes;
     /// - [`AmpError::Torch`] if an update fails.
     pub fn step(&mut self) -> Result<StepOutcome> {
         self.step_checked(false)
@@ -472,20 +477,24 @@ impl AmpOptimizer {
             Stage::Unscaled { half } => half,
             other => {
                 let refused = match other {
-                    Stage::Scaled => Some(AmpError::GradientsStillScaled),
-                    Stage::Stepped if !legacy => Some(AmpError::CallOrder {
+                    Stage::Scaled => Some(AmpError::Usage(UsageError::CallOrder {
+                        call: "step()",
+                        when: "while the gradients are still scaled (the last scale_loss used delay_unscale)",
+                        remedy: "run a scale_loss without delay_unscale before stepping",
+                    })),
+                    Stage::Stepped if !legacy => Some(AmpError::Usage(UsageError::CallOrder {
                         call: "step()",
                         when: "twice with no scale_loss in between",
                         remedy: "per update: zero_grad(), scale_loss(..), step()",
-                    }),
+                    })),
                     Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
                         // O2's fp16 gradients without masters' are named by check_gradients.
                         self.check_gradients(false)?;
-                        Some(AmpError::CallOrder {
+                        Some(AmpError::Usage(UsageError::CallOrder {
                             call: "step()",
                             when: "on gradients no scale_loss produced (a backward outside it)",
                             remedy: "run backward inside amp.scale_loss(&loss, .., |s| s.backward())",
-                        })
+                        }))
                     }
                     _ => None,
                 };
@@ -550,23 +559,22 @@ impl AmpOptimizer {
             Stage::Ready if !(self.setup.pass_through && self.any_grad()) => "before scale_loss",
             _ => return Ok(()),
         };
-        Err(AmpError::CallOrder {
+        Err(AmpError::Usage(UsageError::CallOrder {
             call: "clip_grad_norm()",
             when,
             remedy: "clip after scale_loss returns, before step()",
-        })
+        }))
     }
 
-    /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is
-    /// at most `max_norm`, and returns the total norm before clipping (PyTorch's
-    /// `clip_grad_norm_`, which Apex users call on `amp.master_params(optimizer)`).
-    /// Computed in fp32 even for fp16 gradients; parameters without a gradient are ignored (0
-    /// when none has one); a non-finite norm is returned and the gradients are left unscaled.
-    /// One host sync (reading the norm).
+    /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
+    /// most `max_norm`, and returns the total norm before clipping (PyTorch's `clip_grad_norm_`,
+    /// which Apex users call on `amp.master_params(optimizer)`). Computed in fp32 even for fp16
+    /// gradients; parameters without a gradient are ignored (0 when none has one); a non-finite
+    /// norm is returned and the gradients are left unscaled. One host sync (reading the norm).
     ///
     /// # Errors
-    /// [`AmpError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that
-    /// is not positive.
+    /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
+    /// not positive.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
         crate::optim::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
@@ -608,14 +616,14 @@ impl AmpOptimizer {
             .map(|e| e.name().to_string())
             .collect();
         if !stray.is_empty() {
-            return Err(AmpError::GradientsNotUnscaled { params: stray });
+            return Err(AmpError::Usage(UsageError::GradientsNotUnscaled { params: stray }));
         }
         let has_grad = |e: &ParamEntry| {
             e.update_target().grad().defined()
                 || (model_grads_expected && e.master().is_some() && e.model().grad().defined())
         };
         if !self.entries.iter().any(has_grad) {
-            return Err(AmpError::NoGradients);
+            return Err(AmpError::Usage(UsageError::NoGradients));
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! The scaling protocol's side of the optimizer: the hooks [`crate::Amp::scale_loss`] calls
 //! around backward (set aside, unscale, flag, mark a skip), and the gradient inspections of the
 //! overflow path.
+use crate::error::Divergence;
 use tch::{Device, Kind, Tensor};
 
 use super::masters::HalfGrads;
@@ -19,8 +20,8 @@ pub(super) struct PendingSkip {
     pub(super) collapse: Option<CollapseInfo>,
 }
 
-/// A collapse of a loss scaler, reported by the next `step()` (see
-/// [`AmpError::ScaleCollapsed`] and [`AmpError::GradientsVanished`]).
+/// A collapse of a loss scaler, reported by the next `step()` (see [`Divergence::ScaleCollapsed`]
+/// and [`Divergence::GradientsVanished`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct CollapseInfo {
     /// Overflows at the floor (`ScaleCollapsed`) or zero gradients there (`GradientsVanished`).
@@ -37,9 +38,16 @@ impl CollapseInfo {
         let last_pass = self.first_pass.saturating_add(self.passes.saturating_sub(1));
         let (loss_id, first_pass, passes, loss_scale) = (self.loss_id, self.first_pass, self.passes, self.loss_scale);
         if self.overflow {
-            AmpError::ScaleCollapsed { loss_id, first_pass, last_pass, passes, loss_scale, params: self.params }
+            AmpError::Diverged(Divergence::ScaleCollapsed {
+                loss_id,
+                first_pass,
+                last_pass,
+                passes,
+                loss_scale,
+                params: self.params,
+            })
         } else {
-            AmpError::GradientsVanished { loss_id, first_pass, last_pass, passes, loss_scale }
+            AmpError::Diverged(Divergence::GradientsVanished { loss_id, first_pass, last_pass, passes, loss_scale })
         }
     }
 }

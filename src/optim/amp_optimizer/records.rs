@@ -1,5 +1,6 @@
 //! What an optimizer saves and restores: its [`OptimizerRecord`], checked in full (staged)
 //! before anything is applied.
+use crate::error::StateError;
 use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
@@ -61,19 +62,19 @@ impl AmpOptimizer {
         }
     }
 
-    /// Restores a record made by [`Self::to_record`] (of this optimizer or of one built the
-    /// same way; or mapped from another framework's state, see [`OptimizerRecord`]).
-    /// Everything is checked before anything changes: the rule's kind and default
-    /// hyper-parameters, the parameter names and order, the groups (same ids and parameters;
-    /// their learning rates and hyper-parameters are restored, as torch's `load_state_dict`
-    /// restores `param_groups`, and checked as at construction), for each parameter either no
-    /// state (never updated) or exactly the state tensors its group's rule keeps, each with
-    /// the expected shape, the state dtype (fp32 for fp16 parameters where the rule or the
-    /// configuration says so) and finite values, and a finite fp32 master of the right shape
-    /// for each parameter with a master. Gradients are cleared and a pending skip forgotten.
+    /// Restores a record made by [`Self::to_record`] (of this optimizer or of one built the same
+    /// way; or mapped from another framework's state, see [`OptimizerRecord`]). Everything is
+    /// checked before anything changes: the rule's kind and default hyper-parameters, the parameter
+    /// names and order, the groups (same ids and parameters; their learning rates and
+    /// hyper-parameters are restored, as torch's `load_state_dict` restores `param_groups`, and
+    /// checked as at construction), for each parameter either no state (never updated) or exactly
+    /// the state tensors its group's rule keeps, each with the expected shape, the state dtype
+    /// (fp32 for fp16 parameters where the rule or the configuration says so) and finite values,
+    /// and a finite fp32 master of the right shape for each parameter with a master. Gradients are
+    /// cleared and a pending skip forgotten.
     ///
     /// # Errors
-    /// [`AmpError::StateMismatch`] for any difference; nothing is changed then.
+    /// [`StateError::StateMismatch`] for any difference; nothing is changed then.
     pub fn load_record(&mut self, record: OptimizerRecord) -> Result<()> {
         let staged = self.stage_record(record)?;
         self.apply_staged(staged)
@@ -261,11 +262,11 @@ impl AmpOptimizer {
             names.iter().filter(|n| !rec_names.iter().any(|r| r == *n)).map(|n| n.to_string()).collect();
         let unexpected: Vec<String> = rec_names.iter().filter(|r| !names.contains(&r.as_str())).cloned().collect();
         if strict && (!missing.is_empty() || !unexpected.is_empty()) {
-            return Err(AmpError::IncompatibleKeys {
+            return Err(AmpError::State(StateError::IncompatibleKeys {
                 what: "optimizer state".to_string(),
                 missing_keys: missing,
                 unexpected_keys: unexpected,
-            });
+            }));
         }
         let ours = self.to_record().groups;
         let mut missing_groups = Vec::new();
@@ -298,11 +299,11 @@ impl AmpOptimizer {
                 || !missing_groups.is_empty()
                 || !unexpected_groups.is_empty())
         {
-            return Err(AmpError::IncompatibleKeys {
+            return Err(AmpError::State(StateError::IncompatibleKeys {
                 what: "optimizer state".to_string(),
                 missing_keys: [missing, missing_groups].concat(),
                 unexpected_keys: [unexpected, unexpected_groups].concat(),
-            });
+            }));
         }
         if strict && rec_names != names.iter().map(|n| n.to_string()).collect::<Vec<_>>() {
             return Err(mismatch(format!(
