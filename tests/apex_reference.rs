@@ -24,6 +24,15 @@
 //! rounding midpoint rounds to the other fp16 neighbour and training drifts from there; the
 //! test prints, per run, whether the two references agree.
 //!
+//! Gradient accumulation across losses and micro-batches (`accumulation_*`): the MLP with two
+//! losses and a scaler each (`num_losses(2)`), both losses backward on each of two micro-batches,
+//! the first micro-batch with `delay_unscale`, one step; at O1 and O2, without and with overflows
+//! injected into delayed passes (Apex unscales loss 1's delayed gradient by loss 0's scale and
+//! catches its overflow with scaler 0), and with `max_loss_scale(3000)`, where 1/scale is
+//! inexact, so that the order and rounding of `new * (1/scale) + stashed` show (a fused
+//! multiply-add gives other losses and weights there). Compared: every loss, scale and skip, the
+//! final variables and masters, emulation off and on.
+//!
 //! O3 runs twice: as Apex does it (the user's optimizer on the fp16 parameters with fp16 state,
 //! tch-amp's default; `o3_apex_fp16_optimizer_state`) and with
 //! `AmpConfig::fp32_optimizer_state(true)` (fp32 update and state, "O3_fp32_state").
@@ -35,7 +44,7 @@ use std::sync::OnceLock;
 use common::reference::{bits_equal, describe_diff, Fixture};
 use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::{Amp, AmpConfig, OptLevel, OptimizerConfig};
+use tch_amp::{Amp, AmpConfig, AmpOptimizer, OptLevel, OptimizerConfig, ScaleLossOptions};
 
 const H: i64 = 2; // attention heads
 
@@ -192,20 +201,15 @@ fn amp_config(run: &str) -> AmpConfig {
     }
 }
 
-/// Runs `scenario` under `run` with tch-amp; returns the mismatches with the reference.
-fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String> {
-    let meta = &fx.meta_json("scenarios")[scenario];
-    let steps = meta["steps"].as_i64().unwrap();
-    let inject: Vec<i64> = meta["inject"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
-    let factor = meta["inject_factor"].as_f64().unwrap();
-    let tag = format!("{scenario} {run} emulation {}", if emulate { "on" } else { "off" });
-
+/// The model `net` ("mlp", "cnn", "transformer") with the initial values the reference wrote
+/// under `<scenario>/init/`.
+fn build_model(fx: &Fixture, scenario: &str, net: &str, tag: &str) -> (VarStore, Net) {
     let vs = VarStore::new(Device::Cpu);
-    let net = match scenario {
+    let net = match net {
         "mlp" => Net::Mlp(Mlp::new(&vs.root())),
         "cnn" => Net::Cnn(Cnn::new(&vs.root())),
         "transformer" => Net::Block(Block::new(&vs.root())),
-        other => panic!("unknown scenario {other}"),
+        other => panic!("unknown model {other}"),
     };
     let vars = vs.variables();
     let init_prefix = format!("{scenario}/init/");
@@ -220,6 +224,36 @@ fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String
         }
     });
     assert_eq!(n_init, vars.len(), "{tag}: the reference does not initialize every variable");
+    (vs, net)
+}
+
+/// The final model variables and fp32 masters against the reference's under `prefix`.
+fn compare_final(fx: &Fixture, vs: &VarStore, opt: &AmpOptimizer, prefix: &str, tag: &str) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (name, v) in &vs.variables() {
+        let want = fx.get(&format!("{prefix}final/{name}"));
+        if !bits_equal(v, want) {
+            failures.push(format!("{tag}: final {name}: {}", describe_diff(v, want)));
+        }
+    }
+    for (name, m) in opt.param_names().iter().zip(opt.master_params()) {
+        let key = format!("{prefix}master/{name}");
+        if fx.has(&key) && !bits_equal(&m, fx.get(&key)) {
+            failures.push(format!("{tag}: master {name}: {}", describe_diff(&m, fx.get(&key))));
+        }
+    }
+    failures
+}
+
+/// Runs `scenario` under `run` with tch-amp; returns the mismatches with the reference.
+fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String> {
+    let meta = &fx.meta_json("scenarios")[scenario];
+    let steps = meta["steps"].as_i64().unwrap();
+    let inject: Vec<i64> = meta["inject"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    let factor = meta["inject_factor"].as_f64().unwrap();
+    let tag = format!("{scenario} {run} emulation {}", if emulate { "on" } else { "off" });
+
+    let (vs, net) = build_model(fx, scenario, scenario, &tag);
 
     let config = amp_config(run).verbosity(0).emulate_low_precision_on_cpu(emulate);
     let dynamic = matches!(config.build().unwrap().loss_scale(), tch_amp::LossScale::Dynamic);
@@ -271,18 +305,7 @@ fn run_one(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String
         }
     }
     // Final variables (weights and batch-norm running stats) and masters.
-    for (name, v) in &vars {
-        let want = fx.get(&format!("{prefix}final/{name}"));
-        if !bits_equal(v, want) {
-            failures.push(format!("{tag}: final {name}: {}", describe_diff(v, want)));
-        }
-    }
-    for (name, m) in opt.param_names().iter().zip(opt.master_params()) {
-        let key = format!("{prefix}master/{name}");
-        if fx.has(&key) && !bits_equal(&m, fx.get(&key)) {
-            failures.push(format!("{tag}: master {name}: {}", describe_diff(&m, fx.get(&key))));
-        }
-    }
+    failures.extend(compare_final(fx, &vs, &opt, &prefix, &tag));
     failures
 }
 
@@ -350,4 +373,115 @@ fn o3_apex_fp16_optimizer_state() {
             check(scenario, emulate, &["O3"]);
         }
     }
+}
+
+// ---- Gradient accumulation over two losses and two micro-batches ---------------------------------
+
+/// The reference's "accum" run `run`: the MLP with SGD momentum and two losses, each with its own
+/// scaler (`num_losses(2)`); per step both losses go backward on each of two micro-batches, the
+/// first micro-batch's passes with `delay_unscale`, then one `step`. Returns the mismatches.
+fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
+    let meta = &fx.meta_json("accumulation");
+    let (steps, micro, losses) = (
+        meta["steps"].as_i64().unwrap(),
+        meta["micro_batches"].as_i64().unwrap(),
+        meta["losses"].as_i64().unwrap() as usize,
+    );
+    let level = match meta["runs"][run]["level"].as_str().unwrap() {
+        "O1" => OptLevel::O1,
+        "O2" => OptLevel::O2,
+        other => panic!("unknown level {other}"),
+    };
+    // (step, loss id) whose delayed pass gets the loss multiplied by the factor.
+    let inject: Vec<(i64, usize)> = meta["runs"][run]["inject"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_i64().unwrap(), p[1].as_u64().unwrap() as usize))
+        .collect();
+    let factor = meta["inject_factor"].as_f64().unwrap();
+    let tag = format!("accumulation {run} emulation {}", if emulate { "on" } else { "off" });
+
+    let (vs, net) = build_model(fx, "accum", "mlp", &tag);
+    let config = AmpConfig::new(level)
+        .num_losses(losses)
+        .max_loss_scale(meta["runs"][run]["max_loss_scale"].as_f64().unwrap())
+        .verbosity(0)
+        .emulate_low_precision_on_cpu(emulate);
+    let mut amp = Amp::new(&config).unwrap();
+    let model = amp.cast_model(&vs, net).unwrap();
+    let sgd = nn::Sgd { momentum: meta["momentum"].as_f64().unwrap(), dampening: 0.0, wd: 0.0, nesterov: false };
+    let mut opt = amp.optimizer(&vs, sgd, meta["lr"].as_f64().unwrap()).unwrap();
+
+    let prefix = if emulate { format!("accum/{run}+emulated/") } else { format!("accum/{run}/") };
+    let (xs, ys) = (fx.get("accum/x"), fx.get("accum/y"));
+    let (want_loss, want_scale, want_skip) =
+        (fx.get(&format!("{prefix}loss")), fx.get(&format!("{prefix}scale")), fx.get(&format!("{prefix}skipped")));
+    let mut failures = Vec::new();
+    for step in 0..steps {
+        opt.zero_grad().unwrap();
+        for mb in 0..micro {
+            let delay_unscale = mb + 1 < micro;
+            for loss_id in 0..losses {
+                let at = [step, mb, loss_id as i64];
+                let out = model.forward_t(&xs.get(step).get(mb).get(loss_id as i64), true);
+                let loss = out.cross_entropy_for_logits(&ys.get(step).get(mb).get(loss_id as i64));
+                let user_loss = if delay_unscale && inject.contains(&(step, loss_id)) {
+                    &loss * factor
+                } else {
+                    loss.shallow_clone()
+                };
+                let options = ScaleLossOptions { loss_id, delay_unscale };
+                let so = amp.scale_loss_with(&user_loss, &mut [&mut opt], options, |l| l.backward()).unwrap();
+                let got = loss.detach().to_kind(Kind::Float);
+                let want = want_loss.get(step).get(mb).get(loss_id as i64);
+                if !bits_equal(&got, &want) {
+                    failures.push(format!("{tag}: loss at {at:?}: {}", describe_diff(&got, &want)));
+                }
+                if so.loss_scale != want_scale.double_value(&at) {
+                    failures.push(format!(
+                        "{tag}: loss scale at {at:?}: {} vs {}",
+                        so.loss_scale,
+                        want_scale.double_value(&at)
+                    ));
+                }
+            }
+        }
+        let skipped = !opt.step().unwrap().stepped();
+        if i64::from(skipped) != want_skip.int64_value(&[step]) {
+            failures.push(format!("{tag}: step {step} skipped {skipped} vs reference"));
+        }
+    }
+    failures.extend(compare_final(fx, &vs, &opt, &prefix, &tag));
+    failures
+}
+
+fn check_accum(runs: &[&str]) {
+    tch::set_num_threads(1);
+    let fx = Fixture::parse(reference());
+    let mut failures = Vec::new();
+    for run in runs {
+        for emulate in [false, true] {
+            let f = run_accum(&fx, run, emulate);
+            println!(
+                "accumulation {run} emulation {emulate}: {}",
+                if f.is_empty() { "bit for bit" } else { "DIFFERS" }
+            );
+            failures.extend(f);
+        }
+    }
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// O1, two scalers, delay_unscale on the first micro-batch; with overflows injected into a
+/// delayed pass of loss 1 (caught by scaler 0's exit, which halves scale 0 only) and of loss 0.
+#[test]
+fn accumulation_two_scalers_delay_unscale_o1() {
+    check_accum(&["O1", "O1_inject", "O1_max3000_inject"]);
+}
+
+/// As the O1 test, under O2 (fp16 model, fp32 masters, fp32 batch norm).
+#[test]
+fn accumulation_two_scalers_delay_unscale_o2() {
+    check_accum(&["O2", "O2_inject", "O2_max3000_inject"]);
 }

@@ -38,6 +38,20 @@ In runs with a dynamic loss scale, the loss given to scale_loss is multiplied by
 steps per scenario (INJECT): the scaled fp16 gradients overflow to inf, so those steps are
 skipped and the scale halves.
 
+Gradient accumulation ("accum", train_accum): the MLP above with SGD(lr=0.1, momentum=0.9), two
+losses with a scaler each (num_losses=2), 12 steps; each step both losses go backward on each of
+two micro-batches of 16 (one forward per loss and micro-batch), the first micro-batch's passes
+with delay_unscale=True, then one step. Apex's path as it runs without amp_C: a delayed exit
+touches no scaler; the first non-delayed entry sets nothing aside (the gradients are still
+scaled), so loss 0's exit unscales the whole accumulated buffer, loss 1's delayed gradient
+included, by 1/S0; loss 1's entry sets the gradients aside (under O2 the fp32 master gradients
+hold them) and its exit makes `a * new + b * stashed` with a = 1/S1, b = 1 (two rounded fp32
+products, then a rounded add); an overflow hidden in a delayed pass is caught by scaler 0.
+Runs at O1 and O2, without and with overflows injected into delayed passes, and with
+max_loss_scale=3000 (both scales start at 3000, so 1/scale is inexact); each also "+emulated".
+Checked bit for bit against Apex e13873de's own amp on this script's data (its Python paths on
+CPU, with Apex's CUDA type checks answered for CPU tensors): every run without "+emulated".
+
 Every run except O0 is also made a second time, "<run>+emulated", with tch-amp's CPU emulation
 contract for the GEMMs and convolutions (linear, conv2d, matmul: fp32 compute of the rounded
 fp16 inputs, output rounded once) in place of libtorch's native fp16 CPU kernels.
@@ -47,7 +61,9 @@ variables, tch VarStore names), `<scenario>/x` [steps, ...], `<scenario>/y` [ste
 per run `<scenario>/<run>/loss` [steps] fp32, `/scale` [steps] fp64 (the scale of that step's
 scale_loss), `/skipped` [steps] uint8, `/final/<var>` (every model variable at the end, in its
 model dtype) and `/master/<var>` (fp32 masters of fp16 parameters). Metadata "scenarios": JSON
-with each scenario's steps, injection steps, optimizer and runs.
+with each scenario's steps, injection steps, optimizer and runs. The accumulation writes the same
+under `accum/` with `loss` and `scale` of shape [steps, micro-batches, losses] (one per
+scale_loss call); metadata "accumulation" has its runs (level, max_loss_scale, injections).
 
     $TCH_AMP_PYTHON scripts/reference/apex_reference.py --threads 1 --out ref.safetensors
 """
@@ -347,12 +363,200 @@ def train(sc, init, xs, ys, run, emulate=False):
     return result
 
 
+# ---- Gradient accumulation over two losses and two micro-batches --------------------------------
+# Apex's accumulation path (apex/amp/{handle,scaler,_process_optimizer}.py at e13873de) as it runs
+# on CPU without amp_C (the Python fallbacks): two losses, each with its own scaler (num_losses=2),
+# both backward on each of two micro-batches; the first micro-batch's passes use
+# delay_unscale=True, then one optimizer step.
+ACCUM_INJECT = [(2, 1), (6, 0)]
+ACCUM_RUNS = {
+    # name: (level, max_loss_scale, injections: (step, loss id) whose delayed pass gets the loss
+    # multiplied by INJECT_FACTOR). A max_loss_scale of 3000 starts both scalers at 3000, so that
+    # 1/scale is inexact and the order and rounding of the unscale arithmetic shows.
+    "O1": ("O1", MAX_SCALE, []),
+    "O2": ("O2", MAX_SCALE, []),
+    "O1_inject": ("O1", MAX_SCALE, ACCUM_INJECT),
+    "O2_inject": ("O2", MAX_SCALE, ACCUM_INJECT),
+    "O1_max3000_inject": ("O1", 3000.0, ACCUM_INJECT),
+    "O2_max3000_inject": ("O2", 3000.0, ACCUM_INJECT),
+}
+ACCUM = dict(init=mlp_init, forward=mlp_forward, steps=12, micro_batches=2, losses=2, x=[16, 16], classes=10,
+             optimizer=("SGD", dict(lr=0.1, momentum=0.9)))
+
+
+class Scaler:
+    """One of Apex's dynamic loss scalers (LossScaler) on its Python path. An overflow found by
+    one unscale call stops that call (the remaining gradients stay as they are) and every later
+    unscale call of this scaler until the next non-delayed exit clears the flag."""
+
+    def __init__(self, max_scale):
+        self.scale = min(max_scale, INITIAL_SCALE)
+        self.max_scale = max_scale
+        self.unskipped = 0
+        self.overflow = False
+
+    @staticmethod
+    def has_inf_or_nan(g):
+        # Apex reads one float: the fp32 sum of the incoming (model) gradient.
+        s = float(g.float().sum())
+        return s in (math.inf, -math.inf) or s != s
+
+    def unscale(self, model_grads, out_grads):
+        """out = model * (1/scale), into a separate fp32 gradient or in place."""
+        if self.overflow:
+            return
+        for g, out in zip(model_grads, out_grads):
+            if self.has_inf_or_nan(g):
+                self.overflow = True
+                return
+            if out is not g:
+                out.copy_(g)
+            if self.scale != 1.0:
+                out.mul_(1.0 / self.scale)
+
+    def unscale_with_stashed(self, model_grads, stashed_grads, holders):
+        """holder.grad = a * model (converted to fp32) + b * stashed: a = 1/scale, b = 1 (the
+        stashed gradients are unscaled already); two rounded products, then a rounded add."""
+        if self.overflow:
+            return
+        a, b = 1.0 / self.scale, 1.0
+        for g, stashed, holder in zip(model_grads, stashed_grads, holders):
+            if self.has_inf_or_nan(g):
+                self.overflow = True
+                return
+            holder.grad = a * g.to(stashed.dtype) + b * stashed
+
+    def update(self):
+        """After the unscale of a non-delayed exit: True when the step must be skipped."""
+        skip = self.overflow
+        if skip:
+            self.scale = self.scale / 2.0
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+            if self.unskipped == GROWTH_INTERVAL:
+                self.scale = min(self.max_scale, self.scale * 2.0)
+                self.unskipped = 0
+        return skip
+
+
+def unscale_self_mastered(scaler, params, stash):
+    """Parameters that are their own masters (O1's fp32 parameters, O2's fp32 batch norm): a new
+    gradient alone is unscaled in place; a new gradient with a stashed one becomes
+    new * (1/scale) + stashed; a stashed gradient alone goes back. Empties `stash`."""
+    alone, with_stash, stashed = [], [], []
+    for i, (p, s) in enumerate(zip(params, stash)):
+        stash[i] = None
+        if p.grad is None and s is not None:
+            p.grad = s
+        elif p.grad is not None and s is None:
+            alone.append(p)
+        elif p.grad is not None:
+            with_stash.append(p)
+            stashed.append(s)
+    scaler.unscale([p.grad for p in alone], [p.grad for p in alone])
+    scaler.unscale_with_stashed([p.grad for p in with_stash], stashed, with_stash)
+
+
+def train_accum(sc, init, xs, ys, run, emulate=False):
+    level, max_scale, injections = ACCUM_RUNS[run]
+    masters_on = level == "O2"
+    P = {}
+    for n, t in init.items():
+        t = t.clone()
+        if masters_on and not is_bn(n):
+            t = t.half()
+        P[n] = t.requires_grad_(is_param(n))
+    params = [n for n in P if is_param(n)]
+    stepped = {n: (P[n].detach().clone().float().requires_grad_(True) if P[n].dtype == torch.float16 else P[n])
+               for n in params}
+    half = [n for n in params if stepped[n] is not P[n]]  # fp16 parameters with fp32 masters
+    own = [P[n] for n in params if stepped[n] is P[n]]  # their own masters
+    kind, kw = sc["optimizer"]
+    opt = getattr(torch.optim, kind)([stepped[n] for n in params], **kw)
+    ops = Ops(level == "O1", emulate)
+    scalers = [Scaler(max_scale) for _ in range(sc["losses"])]
+    stash = [None for _ in own]  # gradients of `own` set aside at a non-delayed entry
+    losses, scales, skipped = [], [], []
+    for step in range(sc["steps"]):
+        # zero_grad: under O2 Apex's patched zero_grad zeroes the model gradients in place and
+        # drops the master gradients; under O1 torch.optim's drops every gradient.
+        with torch.no_grad():
+            for n in params:
+                if not masters_on:
+                    P[n].grad = None
+                elif P[n].grad is not None:
+                    P[n].grad.zero_()
+        scaled_grads = False  # Apex's params_have_scaled_gradients
+        skip = False
+        for mb in range(sc["micro_batches"]):
+            delay = mb + 1 < sc["micro_batches"]
+            for loss_id, scaler in enumerate(scalers):
+                if not delay and not scaled_grads:
+                    # Entry: set the existing gradients aside.
+                    for n in half:
+                        P[n].grad = None  # the fp32 master gradients hold them
+                    for i, p in enumerate(own):
+                        stash[i], p.grad = p.grad, None
+                x = xs[step, mb, loss_id]
+                if masters_on:
+                    x = x.half()
+                out = sc["forward"](P, x, ops)
+                if masters_on:
+                    out = out.float()
+                loss = ops.cross_entropy(out, ys[step, mb, loss_id])
+                losses.append(loss.detach().float().clone())
+                scales.append(scaler.scale)
+                user_loss = loss * INJECT_FACTOR if delay and (step, loss_id) in injections else loss
+                (user_loss.float() * scaler.scale).backward()
+                if delay:
+                    scaled_grads = True
+                    continue
+                # Non-delayed exit: unscale with this loss's scaler.
+                scaler.overflow = False
+                with torch.no_grad():
+                    fresh, fresh_out, with_stash, holders = [], [], [], []
+                    for n in half:
+                        g, m = P[n].grad, stepped[n]
+                        if g is not None and m.grad is None:
+                            m.grad = torch.empty_like(m)
+                            fresh.append(g)
+                            fresh_out.append(m.grad)
+                        elif g is not None:
+                            with_stash.append(g)
+                            holders.append(m)
+                    scaler.unscale(fresh, fresh_out)
+                    scaler.unscale_with_stashed(with_stash, [m.grad for m in holders], holders)
+                    unscale_self_mastered(scaler, own, stash)
+                scaled_grads = False
+                skip = scaler.update() or skip
+        skipped.append(1 if skip else 0)
+        if not skip:
+            opt.step()
+            with torch.no_grad():
+                for n in half:
+                    P[n].copy_(stepped[n])
+        for n in half:
+            stepped[n].grad = None  # Apex's step and skipped step both drop the master gradients
+    result = {
+        "loss": torch.stack(losses).reshape(sc["steps"], sc["micro_batches"], sc["losses"]),
+        "scale": torch.tensor(scales, dtype=torch.float64).reshape(sc["steps"], sc["micro_batches"], sc["losses"]),
+        "skipped": torch.tensor(skipped, dtype=torch.uint8),
+    }
+    for n, t in P.items():
+        result["final/" + n] = t.detach().clone()
+    for n in half:
+        result["master/" + n] = stepped[n].detach().clone()
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="-", help="output file, '-' for stdout")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--accum-runs", default=",".join(ACCUM_RUNS))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out, meta = {}, {}
@@ -376,8 +580,30 @@ def main():
         kind, kw = sc["optimizer"]
         meta[name] = {"steps": sc["steps"], "inject": sc["inject"], "optimizer": kind, **kw, "runs": runs,
                       "inject_factor": INJECT_FACTOR}
-    data = save(out, metadata={"scenarios": json.dumps(meta), "torch": torch.__version__,
-                               "threads": str(a.threads)})
+    accum_runs = [r for r in a.accum_runs.split(",") if r]
+    if accum_runs:
+        sc = ACCUM
+        g = torch.Generator().manual_seed(2025)
+        init = sc["init"](g)
+        shape = [sc["steps"], sc["micro_batches"], sc["losses"]]
+        xs = torch.randn(shape + sc["x"], generator=g)
+        ys = torch.randint(0, sc["classes"], shape + sc["x"][:1], generator=g)
+        for n, t in init.items():
+            out[f"accum/init/{n}"] = t
+        out["accum/x"] = xs
+        out["accum/y"] = ys
+        for run in accum_runs:
+            for k, t in train_accum(sc, init, xs, ys, run).items():
+                out[f"accum/{run}/{k}"] = t.contiguous()
+            for k, t in train_accum(sc, init, xs, ys, run, emulate=True).items():
+                out[f"accum/{run}+emulated/{k}"] = t.contiguous()
+    kind, kw = ACCUM["optimizer"]
+    accum_meta = {"steps": ACCUM["steps"], "micro_batches": ACCUM["micro_batches"], "losses": ACCUM["losses"],
+                  "optimizer": kind, **kw, "inject_factor": INJECT_FACTOR,
+                  "runs": {r: {"level": ACCUM_RUNS[r][0], "max_loss_scale": ACCUM_RUNS[r][1], "inject": ACCUM_RUNS[r][2]}
+                           for r in accum_runs}}
+    data = save(out, metadata={"scenarios": json.dumps(meta), "accumulation": json.dumps(accum_meta),
+                               "torch": torch.__version__, "threads": str(a.threads)})
     if a.out == "-":
         sys.stdout.buffer.write(data)
     else:
