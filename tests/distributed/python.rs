@@ -7,13 +7,19 @@
 //! torch.optim.SGD's single-tensor algorithm op for op). torch's DDP divides by the world size before the
 //! allreduce, Apex after it: the Rust rank sets `gradient_predivide_factor = 2` to divide where
 //! torch does (with Apex's default the ranks' bucket contents would not add up).
+//!
+//! The same pair also runs torch.amp's DDP recipe: the forward under CPU autocast (bf16) and a
+//! GradScaler on each rank (tch-amp's on the Rust rank, torch's on the Python rank), with an inf
+//! in the Python rank's batch at step 2 that the allreduce spreads: both ranks skip that step and
+//! back off, and gradients, weights and scales stay bit-identical.
 
 use std::process::Command;
 
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::distributed::{DdpOptions, DistributedDataParallel, InitOptions, ProcessGroup};
-use tch_amp::{initialize, AmpConfig, OptLevel};
+use tch_amp::torch_amp::GradScalerOptions;
+use tch_amp::{autocast, initialize, AmpConfig, GradScaler, OptLevel};
 
 use crate::support::{free_port, global_rng_lock, Peer, PEER_DEADLINE, TIMEOUT};
 
@@ -24,17 +30,30 @@ fn python() -> Option<String> {
     std::env::var("TCH_AMP_PYTHON").ok()
 }
 
-/// Both ranks' copies of each tensor, compared bit for bit (the Python rank checks too).
+/// Both ranks' copies of each tensor, compared bit for bit, NaNs equal where both hold one (the
+/// Python rank checks too).
 fn check<'a>(pg: &ProcessGroup, step: usize, what: &str, named: impl Iterator<Item = (&'a str, Tensor)>) {
     for (name, t) in named {
         let both = pg.all_gather(&t).expect("all_gather with the Python rank");
+        let nan: Vec<Tensor> = both.iter().map(Tensor::isnan).collect();
+        let same = nan[0].equal(&nan[1]) && both[0].masked_fill(&nan[0], 0.0).equal(&both[1].masked_fill(&nan[1], 0.0));
         let d = (&both[0] - &both[1]).abs().max().double_value(&[]);
-        assert!(both[0].equal(&both[1]), "step {step} {what} {name}: Python's differs by {d:e}");
+        assert!(same, "step {step} {what} {name}: Python's differs by {d:e}");
     }
 }
 
 #[test]
 fn rust_rank_and_python_rank_train_together() {
+    train_with_python_rank(false);
+}
+
+#[test]
+fn rust_rank_and_python_rank_train_together_under_autocast_and_grad_scaler() {
+    train_with_python_rank(true);
+}
+
+/// The Rust rank of the pair; `amp_recipe`: torch.amp's recipe (autocast bf16 + GradScaler) on both.
+fn train_with_python_rank(amp_recipe: bool) {
     let Some(python) = python() else {
         panic!("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)");
     };
@@ -42,7 +61,8 @@ fn rust_rank_and_python_rank_train_together() {
     tch::set_num_threads(1);
     let port = free_port();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dist_python_rank.py");
-    let mut peer = Peer::spawn(Command::new(python).arg(script).arg(port.to_string()).arg(STEPS.to_string()));
+    let mode = if amp_recipe { "autocast" } else { "fp32" };
+    let mut peer = Peer::spawn(Command::new(python).arg(script).arg(port.to_string()).arg(STEPS.to_string()).arg(mode));
     let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(1);
@@ -62,17 +82,31 @@ fn rust_rank_and_python_rank_train_together() {
         DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], options).expect("DDP with the Python rank");
     // torch's named_parameters() order, which the Python rank gathers in.
     let order = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"];
+    let mut scaler = GradScaler::with_options(Device::Cpu, GradScalerOptions::default().growth_interval(2)).unwrap();
     for step in 0..STEPS {
         tch::manual_seed(1000 + step as i64);
         let x = Tensor::randn([2 * B, 8], (Kind::Float, Device::Cpu)).narrow(0, 0, B);
         let y = Tensor::randn([2 * B, 4], (Kind::Float, Device::Cpu)).narrow(0, 0, B);
-        let loss = ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
         opt.zero_grad().unwrap();
-        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
         let vars = vs.variables();
-        check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
-        assert!(opt.step().unwrap().stepped());
+        if amp_recipe {
+            let loss = autocast(Device::Cpu, || ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean)).unwrap();
+            scaler.scale(&loss).unwrap().backward();
+            check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
+            // The Python rank's batch holds an inf at step 2; the allreduce brings it here.
+            assert_eq!(scaler.step(&mut opt).unwrap().stepped(), step != 2, "step {step}");
+            scaler.update().unwrap();
+        } else {
+            let loss = ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+            check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
+            assert!(opt.step().unwrap().stepped());
+        }
         check(&pg, step, "weight", order.iter().map(|n| (*n, vars[*n].shallow_clone())));
+        if amp_recipe {
+            let scale = scaler.get_scale() * Tensor::ones([1], (Kind::Float, Device::Cpu));
+            check(&pg, step, "scale", std::iter::once(("scale", scale)));
+        }
     }
     // The Python rank's barrier before it destroys its group.
     pg.barrier().expect("the final barrier with the Python rank");

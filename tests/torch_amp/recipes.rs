@@ -1,8 +1,9 @@
 //! PyTorch's "Automatic Mixed Precision examples" on CPU, tch-amp against torch bit for bit per
 //! step (loss, scale, skip, gradients, weights): the typical loop, unscale_ then
 //! clip_grad_norm_, gradient accumulation, two models / losses / optimizers with one scaler,
-//! and a region forced to fp32 inside autocast. bf16 and fp16 autocast both run libtorch's
-//! native CPU kernels (small models: fast enough).
+//! a gradient penalty through `autograd.grad(create_graph=True)`, and a region forced to fp32
+//! inside autocast. bf16 and fp16 autocast both run libtorch's native CPU kernels (small
+//! models: fast enough).
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_amp::torch_amp::{clip_grad_norm_, Autocast, GradScalerOptions};
@@ -313,4 +314,80 @@ fn fp32_region_inside_autocast_matches_torch() {
         rows.push_model("", &vs);
     }
     rows.assert_matches(&torch);
+}
+
+/// PyTorch's gradient penalty recipe: `autograd.grad` of the scaled loss with
+/// `create_graph=True`, the gradients unscaled by ordinary division (`1 / get_scale()`), their
+/// norm added to the loss under autocast, then the usual scaled backward, step and update.
+const GRADIENT_PENALTY: &str = r#"
+DT = DTYPES[ARG]
+model = mlp(); det_init(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20 if ARG == "fp16" else 2.0**16, growth_interval=3)
+for step in range(8):
+    x, y = batch(step, 8)
+    if step == 5:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=DT):
+        loss = F.mse_loss(model(x), y)
+    scaled_grads = torch.autograd.grad(outputs=scaler.scale(loss), inputs=model.parameters(), create_graph=True)
+    inv_scale = 1.0 / scaler.get_scale()
+    grads = [g * inv_scale for g in scaled_grads]
+    with torch.autocast("cpu", dtype=DT):
+        norm = 0
+        for g in grads:
+            norm += g.pow(2).sum()
+        norm = norm.sqrt()
+        loss = loss + norm
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    push("loss", loss); push("norm", norm); push("scale", scaler._scale); push_model("", model)
+"#;
+
+#[test]
+fn gradient_penalty_matches_torch() {
+    for arg in ["bf16", "fp16"] {
+        let torch = torch_reference(GRADIENT_PENALTY, arg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp(&vs.root());
+        deterministic_init(&vs);
+        // torch's `model.parameters()` order.
+        let params: Vec<Tensor> = [&model.fc1, &model.fc2]
+            .iter()
+            .flat_map(|l| [l.ws.shallow_clone(), l.bs.as_ref().unwrap().shallow_clone()])
+            .collect();
+        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+        let mut scaler = scaler_for(arg, 3);
+        let mut rows = Rows::default();
+        let autocast = Autocast::new(Device::Cpu).dtype(dtype(arg));
+        for step in 0..8 {
+            let (mut x, y) = batch(step, 8);
+            if step == 5 {
+                x = poisoned(&x);
+            }
+            opt.zero_grad();
+            let loss = autocast.run(|| model.forward(&x).mse_loss(&y, tch::Reduction::Mean)).unwrap();
+            let scaled_grads = Tensor::run_backward(&[scaler.scale(&loss).unwrap()], &params, true, true);
+            let inv_scale = 1.0 / scaler.get_scale();
+            let grads: Vec<Tensor> = scaled_grads.iter().map(|g| g * inv_scale).collect();
+            let (loss, norm) = autocast
+                .run(|| {
+                    // `0 + first` is `first` exactly (a sum of squares is not -0).
+                    let norm = grads.iter().map(|g| g.pow_tensor_scalar(2).sum(None)).reduce(|a, b| a + b).unwrap();
+                    let norm = norm.sqrt();
+                    (&loss + &norm, norm)
+                })
+                .unwrap();
+            scaler.scale(&loss).unwrap().backward();
+            scaler.step(&mut opt).unwrap();
+            scaler.update().unwrap();
+            rows.push("loss", &loss);
+            rows.push("norm", &norm);
+            rows.push("scale", scaler.scale_tensor().unwrap());
+            rows.push_model("", &vs);
+        }
+        rows.assert_matches(&torch);
+    }
 }
