@@ -6,3 +6,4 @@ mod common;
 
 mod amp;
 mod o1;
+mod torch_amp;
