@@ -6,7 +6,7 @@
 //! (every tensor, the learning rate and the loss scale of one single version); each new file is
 //! absent or complete; and after the next successful save in the folder no temp file is left
 //! (the kill leaves the dead writer's temp file; the next save removes it, whichever function
-//! wrote it).
+//! wrote it and whichever makes the next save: the trials clean up with the other one).
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -31,6 +31,14 @@ enum Format {
 }
 
 impl Format {
+    /// The other save function.
+    fn other(self) -> Format {
+        match self {
+            Format::Safetensors => Format::Torch,
+            Format::Torch => Format::Safetensors,
+        }
+    }
+
     fn ext(self) -> &'static str {
         match self {
             Format::Safetensors => "safetensors",
@@ -182,10 +190,12 @@ fn trial(format: Format, seed: u64) -> (usize, u64) {
             assert!(k <= newest + 1, "trial {seed}: {name} is newer than ckpt (version {newest})");
         }
     }
-    // The next successful save removes what the dead writer left.
+    // The next successful save removes what the dead writer left, whichever function makes it.
     set_version(&vs, &mut amp, &mut opt, 2047);
-    format.save(&ckpt, &vs, &amp, &opt);
+    let other = format.other();
+    other.save(&dir.path().join(format!("other.{}", other.ext())), &vs, &amp, &opt);
     assert_eq!(temp_files(dir.path()), Vec::<String>::new(), "trial {seed}: temp files survived a later save");
+    format.save(&ckpt, &vs, &amp, &opt);
     assert_eq!(version_of(format, &ckpt), 2047);
     (left, newest)
 }
