@@ -3,7 +3,7 @@
 //! the same model, batch and thread count (scripts/bench_torch.py, run as a server by the
 //! setup's torch venv), with the fraction of this machine's fp32 GEMM peak each reaches.
 //!
-//! Workloads: an MLP (GEMM-bound), the main job's small ResNet (convolution-bound, from
+//! Workloads: an MLP (GEMM-bound), `make demo`'s small ResNet (convolution-bound, from
 //! examples/common/model.rs) and a 2-block pre-LN transformer encoder (attention, LayerNorm,
 //! GELU, softmax: where Apex's fp32 list matters). Every configuration runs in every round,
 //! in turn (ABAB...), after a warm-up: one untimed step, then `--steps` timed steps, per round.
@@ -16,7 +16,13 @@
 //! cargo bench --bench amp -- --steps 2 --rounds 2 --warmup 1 --workloads mlp   # smoke run
 //! cargo bench --bench amp -- --phases --memory              # + per-phase times, measured peak B/param
 //! cargo bench --bench amp -- --device cuda                  # the same table on a GPU (+ TF32 rows)
+//! cargo bench --bench amp -- --no-timing --step-memory --workloads cnn,transformer   # bytes per step
 //! ```
+//!
+//! `--step-memory` adds, per workload, the peak bytes of a whole training step (activations
+//! included) under O0-O3 and the torch.amp path, and the largest batch whose step fits
+//! `--budget-gib`, found by bisection on measured peaks. The GradScaler section times
+//! `unscale_` + `update` against torch's on each workload's gradients.
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -29,7 +35,8 @@ use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
 use tch_amp::diagnostics;
-use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, OptLevel, OptimizerConfig};
+use tch_amp::torch_amp::Autocast;
+use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, OptimizerConfig};
 
 #[allow(dead_code)]
 #[path = "../examples/common/model.rs"]
@@ -59,7 +66,7 @@ impl Workload {
     fn describe(self) -> &'static str {
         match self {
             Workload::Mlp => "MLP 784-1024-1024-10 with batch norm, batch 128 (GEMM-bound)",
-            Workload::Cnn => "the main job's ResNet (width 16, 2 stages, pool 7), batch 128 of 1x28x28 (convolution-bound)",
+            Workload::Cnn => "make demo's ResNet (width 16, 2 stages, pool 7), batch 128 of 1x28x28 (convolution-bound)",
             Workload::Transformer => {
                 "2 pre-LN encoder blocks (d 256, 4 heads, FF 1024, GELU), batch 8 x 64 tokens (attention, LayerNorm, softmax)"
             }
@@ -169,6 +176,21 @@ struct Args {
     /// 0 skips it).
     #[arg(long, default_value_t = 5)]
     overflow_rounds: usize,
+    /// Skip the step-time tables (to run only `--step-memory` and the GradScaler comparison).
+    #[arg(long)]
+    no_timing: bool,
+    /// Also measure the peak bytes of a whole training step, activations included, under O0-O3
+    /// and the torch.amp path, and search the largest batch whose step fits `--budget-gib`
+    /// (CPU only: the counting allocator; after the timings).
+    #[arg(long)]
+    step_memory: bool,
+    /// The memory budget of `--step-memory`'s largest-batch search, in GiB.
+    #[arg(long, default_value_t = 2.0)]
+    budget_gib: f64,
+    /// Rounds of the GradScaler comparison (`unscale_` + `update` on each workload's gradients,
+    /// tch-amp against PyTorch; 0 skips it).
+    #[arg(long, default_value_t = 5)]
+    scaler_rounds: usize,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
     /// come back as fresh pages) instead of calling `tch_amp::cast::keep_freed_cpu_memory`
     /// before the first row.
@@ -303,14 +325,29 @@ fn build(w: Workload, vs: &VarStore) -> Net {
     }
 }
 
+/// The workload's batch size (transformer: sequences of `TR_TOKENS` tokens).
+fn batch_size(w: Workload) -> i64 {
+    match w {
+        Workload::Mlp => MLP_BATCH,
+        Workload::Cnn => CNN_BATCH,
+        Workload::Transformer => TR_BATCH,
+        Workload::MlpBig => MLP_BIG_BATCH,
+        Workload::Resnet50 => RESNET50_BATCH,
+    }
+}
+
 fn data(w: Workload, device: Device) -> (Tensor, Tensor) {
+    data_of(w, device, batch_size(w))
+}
+
+/// A seeded random batch of `n` examples for `w`.
+fn data_of(w: Workload, device: Device, n: i64) -> (Tensor, Tensor) {
     tch::manual_seed(0);
-    let (shape, n): (Vec<i64>, i64) = match w {
-        Workload::Mlp => (vec![MLP_BATCH, 784], MLP_BATCH),
-        Workload::Cnn => (vec![CNN_BATCH, 1, 28, 28], CNN_BATCH),
-        Workload::Transformer => (vec![TR_BATCH, TR_TOKENS, TR_D], TR_BATCH),
-        Workload::MlpBig => (vec![MLP_BIG_BATCH, 784], MLP_BIG_BATCH),
-        Workload::Resnet50 => (vec![RESNET50_BATCH, 3, 224, 224], RESNET50_BATCH),
+    let shape: Vec<i64> = match w {
+        Workload::Mlp | Workload::MlpBig => vec![n, 784],
+        Workload::Cnn => vec![n, 1, 28, 28],
+        Workload::Transformer => vec![n, TR_TOKENS, TR_D],
+        Workload::Resnet50 => vec![n, 3, 224, 224],
     };
     (Tensor::randn(shape, (Kind::Float, device)), Tensor::randint(10, [n], (Kind::Int64, device)))
 }
@@ -358,7 +395,10 @@ enum Config {
     Loop { tf32: bool },
     /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU.
     Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels },
-    /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_fp16".
+    /// tch-amp's torch.amp path: fp32 weights and an O0 optimizer, the forward under
+    /// `tch_amp::Autocast` with `dtype`, the loss through `tch_amp::GradScaler`.
+    Autocast { dtype: Kind },
+    /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_bf16_scaler", "amp_fp16".
     Torch(&'static str),
 }
 
@@ -386,9 +426,11 @@ impl Config {
                 };
                 format!("tch-amp {level} {}{how}", dtype_name(*k))
             }
+            Config::Autocast { dtype } => format!("tch-amp autocast {} + GradScaler", dtype_name(*dtype)),
             Config::Torch("fp32") => "PyTorch fp32".into(),
             Config::Torch("tf32") => "PyTorch TF32".into(),
             Config::Torch("amp_bf16") => "PyTorch autocast bf16".into(),
+            Config::Torch("amp_bf16_scaler") => "PyTorch autocast bf16 + GradScaler".into(),
             Config::Torch("amp_fp16") => {
                 if cuda {
                     "PyTorch autocast fp16 + GradScaler".into()
@@ -431,12 +473,15 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
             }
         }
     }
+    v.push(Config::Autocast { dtype: Kind::BFloat16 });
+    v.push(Config::Autocast { dtype: Kind::Half });
     if python {
         v.push(Config::Torch("fp32"));
         if cuda {
             v.push(Config::Torch("tf32"));
         }
         v.push(Config::Torch("amp_bf16"));
+        v.push(Config::Torch("amp_bf16_scaler"));
         v.push(Config::Torch("amp_fp16"));
     }
     if !args.only.is_empty() {
@@ -584,9 +629,17 @@ struct AmpSession {
     amp: Amp,
 }
 
+/// One torch.amp round's objects: an O0 `Amp` (fp32 weights, no casts) for the optimizer, so
+/// that the update is the same algorithm as in every other row.
+struct AutocastSession {
+    opt: AmpOptimizer,
+    _amp: Amp,
+}
+
 enum Runner {
     Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
     Amp { cfg: Box<AmpConfig>, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
+    Autocast { dtype: Kind, vs: VarStore, net: Net, scaler: GradScaler, session: Option<Box<AutocastSession>> },
     Torch { workload: Workload, mode: &'static str },
 }
 
@@ -613,6 +666,11 @@ impl Bench {
                 let cfg = c.amp_config().expect("an Amp config");
                 Runner::Amp { cfg: Box::new(cfg), vs, net: Some(net), session: None }
             }
+            Config::Autocast { dtype } => {
+                let net = build(w, &vs);
+                let scaler = GradScaler::new(self.device);
+                Runner::Autocast { dtype, vs, net, scaler, session: None }
+            }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
     }
@@ -623,6 +681,11 @@ impl Bench {
             let model = amp.cast_model(vs, net.take().ok_or_else(|| anyhow!("model missing"))?)?;
             let opt = amp.optimizer(vs, optimizer_config(&self.args), lr(&self.args))?;
             *session = Some(Box::new(AmpSession { model, opt, amp }));
+        }
+        if let Runner::Autocast { vs, session, .. } = r {
+            let amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0))?;
+            let opt = amp.optimizer(vs, optimizer_config(&self.args), lr(&self.args))?;
+            *session = Some(Box::new(AutocastSession { opt, _amp: amp }));
         }
         if let Runner::Loop { tf32: true, .. } = r {
             diagnostics::set_allow_tf32(true)?;
@@ -637,6 +700,9 @@ impl Bench {
                 *net = Some(model.into_inner());
                 drop(amp);
             }
+        }
+        if let Runner::Autocast { session, .. } = r {
+            *session = None;
         }
         diagnostics::set_allow_tf32(false)?;
         Ok(())
@@ -705,6 +771,28 @@ impl Bench {
                             ("step", t_step),
                         ],
                     );
+                }
+            }
+            Runner::Autocast { dtype, net, scaler, session, .. } => {
+                let s = session.as_mut().ok_or_else(|| anyhow!("round not begun"))?;
+                let t = now();
+                s.opt.zero_grad()?;
+                let t_zero = ms_since(t);
+                let t = now();
+                let loss = Autocast::new(d).dtype(*dtype).run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
+                sync(d);
+                let t_fwd = ms_since(t);
+                let t = now();
+                scaler.scale(&loss)?.backward();
+                sync(d);
+                let t_bwd = ms_since(t);
+                let t = now();
+                scaler.step(&mut s.opt)?;
+                scaler.update()?;
+                sync(d);
+                let t_step = ms_since(t);
+                if let Some(p) = phases {
+                    record(p, [("zero_grad", t_zero), ("forward", t_fwd), ("backward", t_bwd), ("step", t_step)]);
                 }
             }
             Runner::Torch { .. } => bail!("PyTorch steps run in rounds"),
@@ -803,6 +891,21 @@ impl Python {
             .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
             .ok_or_else(|| anyhow!("bench_torch.py: no times in {line:?}"))?;
         Ok((ms, v["syncs"].as_f64()))
+    }
+}
+
+impl Python {
+    /// Per-iteration milliseconds of torch's GradScaler `unscale_` + `update` on `w`'s gradients.
+    fn scaler(&mut self, w: Workload, iterations: usize) -> Result<Vec<f64>> {
+        writeln!(self.stdin, "scaler {} {iterations}", w.name())?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("bench_torch.py: {line:?}"))?;
+        v["ms"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .ok_or_else(|| anyhow!("bench_torch.py: no times in {line:?}"))
     }
 }
 
@@ -984,6 +1087,344 @@ fn measure_memory(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i
 }
 
 // ---------------------------------------------------------------------------------------------
+// GradScaler: unscale_ + update against torch's
+
+/// tch-amp's `GradScaler::unscale_` + `update` against torch's on the fp32 gradients of one
+/// scaled backward of `w` (restored before each iteration, untimed), `rounds` rounds of
+/// `iterations` each, tch-amp and PyTorch in turn.
+fn scaler_cost(bench: &mut Bench, w: Workload, rounds: usize, iterations: usize) -> Result<serde_json::Value> {
+    let device = bench.device;
+    let (x, y) = data(w, device);
+    tch::manual_seed(0);
+    let vs = VarStore::new(device);
+    let net = build(w, &vs);
+    let opt = <nn::Adam as nn::OptimizerConfig>::build(nn::Adam::default(), &vs, 1e-3)?;
+    let mut scaler = GradScaler::new(device);
+    scaler.scale(&net.forward_t(&x, true).cross_entropy_for_logits(&y))?.backward();
+    let params = vs.trainable_variables();
+    let saved: Vec<Tensor> = params.iter().map(|p| p.grad().copy()).collect();
+    let elements: i64 = saved.iter().map(Tensor::numel).map(|n| n as i64).sum();
+    let restore = || {
+        let _no_grad = tch::no_grad_guard();
+        for (p, g) in params.iter().zip(&saved) {
+            p.grad().copy_(g);
+        }
+    };
+    restore();
+    scaler.unscale_(&opt)?;
+    scaler.update()?;
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let mut ms = Vec::with_capacity(iterations);
+        for _ in 0..iterations {
+            restore();
+            sync(device);
+            let t = now();
+            scaler.unscale_(&opt)?;
+            scaler.update()?;
+            sync(device);
+            ms.push(ms_since(t));
+        }
+        ours.push(median(&ms));
+        if let Some(py) = bench.python.as_mut() {
+            theirs.push(median(&py.scaler(w, iterations)?));
+        }
+    }
+    let ratio: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+    Ok(serde_json::json!({
+        "workload": w.name(),
+        "tensors": saved.len(),
+        "elements": elements,
+        "tch_amp_ms": Spread::of(&ours),
+        "pytorch_ms": (!theirs.is_empty()).then(|| Spread::of(&theirs)),
+        "ratio": (!ratio.is_empty()).then(|| Spread::of(&ratio)),
+    }))
+}
+
+fn print_scaler(rows: &[serde_json::Value], rounds: usize, iterations: usize) {
+    let us = |v: &serde_json::Value| -> String {
+        match (v["median"].as_f64(), v["min"].as_f64(), v["max"].as_f64()) {
+            (Some(m), Some(a), Some(b)) => format!("{:.1} [{:.1}–{:.1}]", m * 1e3, a * 1e3, b * 1e3),
+            _ => "-".into(),
+        }
+    };
+    println!();
+    println!("## GradScaler: unscale_ + update");
+    println!();
+    println!(
+        "`scaler.unscale_(opt)` then `scaler.update()` on the fp32 gradients of one scaled backward of each workload \
+         (gradients restored before each call, untimed); {rounds} round(s) x {iterations} calls, tch-amp and PyTorch in \
+         turn; µs per call, median over rounds [min–max]; the ratio is per round."
+    );
+    println!();
+    println!("| workload | gradients | tch-amp µs | PyTorch µs | tch-amp / PyTorch |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in rows {
+        let ratio = match (r["ratio"]["median"].as_f64(), r["ratio"]["min"].as_f64(), r["ratio"]["max"].as_f64()) {
+            (Some(m), Some(a), Some(b)) => format!("{m:.3} [{a:.3}–{b:.3}]"),
+            _ => "-".into(),
+        };
+        println!(
+            "| {} | {} tensors, {} elements | {} | {} | {} |",
+            r["workload"].as_str().unwrap_or("?"),
+            r["tensors"],
+            r["elements"],
+            us(&r["tch_amp_ms"]),
+            us(&r["pytorch_ms"]),
+            ratio
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The bytes of a whole training step, and the largest batch within a budget
+
+/// What the counting allocator saw during one training step.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct StepBytes {
+    /// The most bytes held at once from before the forward to the end of the step, counting
+    /// everything the configuration allocated (model, masters, optimizer state, the batch,
+    /// activations, gradients, temporaries).
+    peak: i64,
+    /// Bytes the forward left allocated (what autograd saved for backward, and the loss).
+    forward: i64,
+    /// Weights, gradients, masters and optimizer state at the end of the step (tch-amp's count).
+    state: i64,
+}
+
+/// One training step of `r` (its round begun) on `x`, `y`, with the peak reset before the
+/// forward and read after the step. `base`: the bytes held before the configuration's model
+/// was made.
+fn step_bytes(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i64) -> Result<StepBytes> {
+    let d = bench.device;
+    match r {
+        Runner::Amp { session: Some(s), .. } => {
+            s.opt.zero_grad()?;
+            let before = diagnostics::reset_cpu_memory_peak()?;
+            let loss = s.model.forward_t(x, true).cross_entropy_for_logits(y);
+            let forward = diagnostics::cpu_memory()?.current - before.current;
+            s.amp.scale_loss(&loss, &mut [&mut s.opt], |l| l.backward())?;
+            s.opt.step()?;
+            drop(loss);
+            let peak = diagnostics::cpu_memory()?.peak - base;
+            Ok(StepBytes { peak, forward, state: s.opt.memory().total() as i64 })
+        }
+        Runner::Autocast { dtype, net, scaler, session: Some(s), .. } => {
+            s.opt.zero_grad()?;
+            let before = diagnostics::reset_cpu_memory_peak()?;
+            let loss = Autocast::new(d).dtype(*dtype).run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
+            let forward = diagnostics::cpu_memory()?.current - before.current;
+            scaler.scale(&loss)?.backward();
+            scaler.step(&mut s.opt)?;
+            scaler.update()?;
+            drop(loss);
+            let peak = diagnostics::cpu_memory()?.peak - base;
+            Ok(StepBytes { peak, forward, state: s.opt.memory().total() as i64 })
+        }
+        _ => bail!("step_bytes: a tch-amp configuration with its round begun"),
+    }
+}
+
+/// One configuration's row of the step-memory table.
+#[derive(Debug, serde::Serialize)]
+struct MemoryRow {
+    label: String,
+    batch: i64,
+    at_batch: StepBytes,
+    /// Wall milliseconds of the measured step at `batch` (the counting allocator adds a little).
+    step_ms: f64,
+    /// Peak bytes at each batch size measured, in order.
+    probes: Vec<(i64, i64)>,
+    /// The largest batch whose step peaked within the budget.
+    largest_batch: i64,
+    /// true: found by measuring (bisection); false: extrapolated from the peaks at `batch` and
+    /// twice `batch` (the peak is affine in the batch size), for rows too slow to search.
+    searched: bool,
+}
+
+/// The configurations of the step-memory table: O0, O1-O3 in fp16 with the kernels `Auto`
+/// chooses (and, where that is the emulation, O1 and O2 with libtorch's native kernels beside,
+/// at the measured batch only), and the torch.amp path with bf16.
+fn memory_configs(cuda: bool) -> Vec<Config> {
+    let auto = CpuFeatures::detect().auto_choice(Kind::Half);
+    let mut v = vec![Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto }];
+    for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: auto });
+    }
+    if !cuda && auto == CpuKernels::Emulate {
+        for level in [OptLevel::O1, OptLevel::O2] {
+            v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: CpuKernels::Native });
+        }
+    }
+    v.push(Config::Autocast { dtype: Kind::BFloat16 });
+    v
+}
+
+/// Whether `c` runs libtorch's native fp16/bf16 CPU kernels where `CpuKernels::Auto` would not
+/// (they are many times slower than fp32 there: too slow to search large batches with).
+fn runs_slow_kernels(c: Config, cuda: bool) -> bool {
+    let auto = |k: Kind| CpuFeatures::detect().auto_choice(k);
+    !cuda
+        && match c {
+            Config::Amp { dtype: Some(k), kernels: CpuKernels::Native, .. } => auto(k) == CpuKernels::Emulate,
+            Config::Autocast { dtype } => auto(dtype) == CpuKernels::Emulate,
+            _ => false,
+        }
+}
+
+/// The step-memory rows of `w`: each configuration's peak at the workload's batch, and the
+/// largest batch within `budget` bytes, by bisection on measured peaks (rows that run
+/// libtorch's slow native kernels: extrapolated from two measured batch sizes).
+fn step_memory(bench: &Bench, w: Workload, budget: i64) -> Result<Vec<MemoryRow>> {
+    let cuda = bench.device != Device::Cpu;
+    diagnostics::track_cpu_memory()?;
+    let b0 = batch_size(w);
+    let mut rows: Vec<MemoryRow> = Vec::new();
+    for c in memory_configs(cuda) {
+        let base = diagnostics::cpu_memory()?.current;
+        let mut r = bench.make_runner(w, c)?;
+        bench.begin_round(&mut r)?;
+        let out = (|| -> Result<MemoryRow> {
+            let mut measure = |b: i64| -> Result<(StepBytes, f64)> {
+                let (x, y) = data_of(w, bench.device, b);
+                let t = Instant::now();
+                let m = step_bytes(bench, &mut r, &x, &y, base)?;
+                Ok((m, t.elapsed().as_secs_f64() * 1e3))
+            };
+            // The first step makes the optimizer state (and O2's masters' gradients).
+            measure(b0)?;
+            let (at, ms) = measure(b0)?;
+            let (twice, _) = measure(2 * b0)?;
+            let mut probes = vec![(b0, at.peak), (2 * b0, twice.peak)];
+            let per_example = ((twice.peak - at.peak) as f64 / b0 as f64).max(1.0);
+            let fixed = at.peak as f64 - per_example * b0 as f64;
+            let estimate = ((budget as f64 - fixed) / per_example).floor().max(1.0) as i64;
+            let row = |probes, largest_batch, searched| MemoryRow {
+                label: c.label(cuda),
+                batch: b0,
+                at_batch: at,
+                step_ms: ms,
+                probes,
+                largest_batch,
+                searched,
+            };
+            if runs_slow_kernels(c, cuda) {
+                return Ok(row(probes, estimate, false));
+            }
+            // Bracket the largest fitting batch around the estimate, then bisect to 1%.
+            let mut fits = |b: i64| -> Result<bool> {
+                let (m, _) = measure(b)?;
+                probes.push((b, m.peak));
+                Ok(m.peak <= budget)
+            };
+            let step = (estimate / 50).max(1);
+            let (mut lo, mut hi);
+            if fits(estimate)? {
+                (lo, hi) = (estimate, estimate + step);
+                while fits(hi)? {
+                    lo = hi;
+                    hi += 2 * (hi - estimate);
+                }
+            } else {
+                (lo, hi) = ((estimate - step).max(1), estimate);
+                while lo > 1 && !fits(lo)? {
+                    hi = lo;
+                    lo = (lo - 2 * (estimate - lo)).max(1);
+                }
+            }
+            while hi - lo > (lo / 100).max(1) {
+                let mid = lo + (hi - lo) / 2;
+                if fits(mid)? {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            Ok(row(probes, lo, true))
+        })();
+        bench.end_round(&mut r)?;
+        let row = out?;
+        eprintln!("{}: step memory of {} done ({} probes)", w.name(), row.label, row.probes.len());
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn print_step_memory(w: Workload, rows: &[MemoryRow], budget_gib: f64) {
+    let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+    let o0 = rows.first();
+    println!();
+    println!("## {}: bytes of a whole training step, and the largest batch in {budget_gib} GiB", w.name());
+    println!();
+    println!(
+        "Counting CPU allocator (tch_amp::diagnostics::track_cpu_memory): peak reset before the forward and read after \
+         the optimizer step, counting everything the configuration allocated (weights, masters, optimizer state, the \
+         batch, activations, gradients, temporaries). Batch {} unless stated; \"after forward\": bytes the forward \
+         left allocated (what autograd keeps for backward); \"state\": weights, gradients, masters and optimizer state \
+         at the end of the step.",
+        rows.first().map_or(0, |r| r.batch)
+    );
+    println!();
+    println!("| configuration | peak MiB | peak / O0 | after forward MiB | state MiB | largest batch in {budget_gib} GiB | batch / O0 | found by |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---|");
+    for r in rows {
+        let (ratio, bratio) = match o0 {
+            Some(o) => (
+                format!("{:.3}", r.at_batch.peak as f64 / o.at_batch.peak as f64),
+                format!("{:.2}", r.largest_batch as f64 / o.largest_batch as f64),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        let how = if r.searched {
+            format!("bisection ({} batch sizes measured)", r.probes.len())
+        } else {
+            "linear extrapolation from 2 batch sizes (slow native kernels)".to_string()
+        };
+        println!(
+            "| {} | {:.1} | {ratio} | {:.1} | {:.2} | {} | {bratio} | {how} |",
+            r.label,
+            mib(r.at_batch.peak),
+            mib(r.at_batch.forward),
+            mib(r.at_batch.state),
+            r.largest_batch,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// tch-amp's torch.amp path against PyTorch's
+
+/// Per-round ratios of tch-amp's torch.amp rows to PyTorch's matching rows.
+fn print_torch_amp_pairs(cfgs: &[Config], per_round: &[Vec<f64>], cuda: bool) {
+    let pairs = [(Kind::BFloat16, "amp_bf16_scaler"), (Kind::Half, "amp_fp16")];
+    let mut lines = Vec::new();
+    for (k, mode) in pairs {
+        let ours = cfgs.iter().position(|c| *c == Config::Autocast { dtype: k });
+        let theirs = cfgs.iter().position(|c| *c == Config::Torch(mode));
+        if let (Some(a), Some(b)) = (ours, theirs) {
+            let ratio: Vec<f64> = per_round[a].iter().zip(&per_round[b]).map(|(x, y)| x / y).collect();
+            lines.push(format!(
+                "| {} / {} | {} |",
+                cfgs[a].label(cuda),
+                cfgs[b].label(cuda),
+                Spread::of(&ratio).show(3)
+            ));
+        }
+    }
+    if lines.is_empty() {
+        return;
+    }
+    println!();
+    println!("The torch.amp path, tch-amp against PyTorch (same autocast kernels, same fused Adam; per-round ratio of step times):");
+    println!();
+    println!("| rows | time ratio |");
+    println!("|---|---:|");
+    for l in lines {
+        println!("{l}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 
 #[derive(serde::Serialize)]
 struct RowOut {
@@ -1080,17 +1521,22 @@ fn main() -> Result<()> {
         args.optimizer,
         if args.optimizer == Opt::Adam { format!(" ({:?} kernel)", args.adam_kernel) } else { String::new() }
     );
-    println!(
-        "- {} round(s) x {} timed step(s) per configuration, after {} warm-up step(s); figures: median over rounds [min–max]; clock: {}",
-        args.rounds,
-        args.steps,
-        args.warmup,
-        if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
-    );
+    if args.no_timing {
+        println!("- step times: not measured (--no-timing)");
+    } else {
+        println!(
+            "- {} round(s) x {} timed step(s) per configuration, after {} warm-up step(s); figures: median over rounds [min–max]; clock: {}",
+            args.rounds,
+            args.steps,
+            args.warmup,
+            if args.clock == Clock::Cpu { "CPU time of the training thread" } else { "wall" }
+        );
+    }
     let mut bench = Bench { args, device, python, syncs: std::cell::RefCell::new(Vec::new()) };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
-    for &w in &bench.args.workloads.clone() {
+    let timed = if bench.args.no_timing { Vec::new() } else { bench.args.workloads.clone() };
+    for &w in &timed {
         let (x, y) = data(w, device);
         let cfgs = configs(&bench.args, cuda, bench.python.is_some());
         let mut runners: Vec<Runner> = cfgs.iter().map(|&c| bench.make_runner(w, c)).collect::<Result<_>>()?;
@@ -1154,7 +1600,29 @@ fn main() -> Result<()> {
             });
         }
         print_workload(w, flops, gemm, &rows, &bench.args);
+        print_torch_amp_pairs(&cfgs, &per_round, cuda);
         out.push(WorkloadOut { workload: w, description: w.describe(), gflop_per_step: flops / 1e9, rows });
+    }
+    let mut step_memory_out = Vec::new();
+    if bench.args.step_memory {
+        if cuda {
+            eprintln!("(--step-memory measures CPU memory: skipped on {})", bench.args.device);
+        } else {
+            let budget = (bench.args.budget_gib * 1024.0 * 1024.0 * 1024.0) as i64;
+            for &w in &bench.args.workloads.clone() {
+                let rows = step_memory(&bench, w, budget)?;
+                print_step_memory(w, &rows, bench.args.budget_gib);
+                step_memory_out.push(serde_json::json!({ "workload": w, "budget_bytes": budget, "rows": rows }));
+            }
+        }
+    }
+    let mut scaler_out = Vec::new();
+    if bench.args.scaler_rounds > 0 {
+        let (rounds, iterations) = (bench.args.scaler_rounds, bench.args.steps.max(10));
+        for &w in &bench.args.workloads.clone() {
+            scaler_out.push(scaler_cost(&mut bench, w, rounds, iterations)?);
+        }
+        print_scaler(&scaler_out, rounds, iterations);
     }
     let overflow = if bench.args.overflow_rounds > 0 {
         Some(overflow_cost(&bench, bench.args.overflow_rounds, bench.args.steps)?)
@@ -1169,6 +1637,8 @@ fn main() -> Result<()> {
             "args": &bench.args,
             "workloads": out,
             "overflow_path": overflow,
+            "step_memory": step_memory_out,
+            "grad_scaler": scaler_out,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

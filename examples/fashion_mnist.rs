@@ -1,18 +1,23 @@
 //! The main job (`make demo`): a small ResNet-style CNN with batch norm trained on
 //! Fashion-MNIST under O0, O1, O2 and O3 in turn — same seed, same initial weights, same
-//! batches — then a table of test accuracy, seconds per epoch and "time vs O0" (seconds per
-//! epoch divided by O0's: 0.80x takes 20% less time), what the GEMMs and convolutions compute
-//! in (fp32, or fp16/bf16 with libtorch's native kernels or tch-amp's fp32 emulation, as
-//! `CpuKernels::Auto` chose for this CPU), bytes of training state (weights + gradients +
-//! fp32 masters + optimizer state), skipped steps and the final loss scale. Writes
-//! `curves.png` (six panels: loss per level in distinct line styles, each level's loss minus
-//! O0's, the loss scale where it moves, test accuracy, seconds per epoch, training-state
-//! bytes) and `record.json` (everything in the table, per-step losses and scales, the
-//! arguments) into `--out` (default `runs/fashion_mnist/`).
+//! batches — then a table per level: test accuracy, seconds per epoch and "time vs O0"
+//! (seconds per epoch divided by O0's: 0.80x takes 20% less time), steps and training seconds
+//! to the target test accuracy, what the GEMMs and convolutions compute in (fp32, or fp16/bf16
+//! with libtorch's native kernels or tch-amp's fp32 emulation, as `CpuKernels::Auto` chose
+//! for this CPU), the peak memory of one training step, bytes of training state (weights +
+//! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
+//! `--levels ...,autocast` adds PyTorch's own recipe through tch-amp: fp32 weights, the
+//! forward under `tch_amp::autocast` (bf16 on CPU, fp16 on CUDA) and a `GradScaler`.
+//!
+//! Writes `curves.png` (six panels: loss per level, each level's loss minus O0's, the loss
+//! scale over steps, test accuracy, seconds per epoch, peak memory per level) and
+//! `record.json` (everything in the table, per-step losses and scales, the test accuracy every
+//! `--eval-every` steps, the arguments) into `--out` (default `runs/fashion_mnist/`).
 //!
 //! ```text
 //! cargo run --release --example fashion_mnist                      # default run, all levels
 //! cargo run --release --example fashion_mnist -- --levels O0,O2    # a selection
+//! cargo run --release --example fashion_mnist -- --levels O0,O1,O2,O3,autocast
 //! cargo run --release --example fashion_mnist -- --train-size 0 --epochs 5   # full data set
 //! cargo run --release --example fashion_mnist -- --device cuda     # on the first GPU
 //! ```
@@ -21,12 +26,20 @@
 //! on that device; asking for a CUDA device that is not there is an error, never a silent
 //! fallback to the CPU.
 //!
-//! Measured on the project's 2-core AVX2 CPU (libtorch 2.13, 2 threads, fp16 GEMMs and
-//! convolutions emulated in fp32 on CPU): the default run (30,000 training images, 3 epochs)
-//! takes about 100 s for all four levels and reaches 89.3-89.8% test accuracy at every level;
-//! `--train-size 0 --epochs 5` takes about 340 s and reaches 91.5-91.7%. The byte counts
-//! leave out activations, where O2/O3 save most on a GPU: O2 holds more training state than
-//! O0 (fp16 weights plus fp32 masters), O3 about half.
+//! Time to accuracy: every `--eval-every` steps the model is evaluated on the first
+//! `--eval-size` test images (evaluation time is not counted); the first evaluation at or above
+//! `--target-accuracy` gives the steps and the training seconds to reach it. The final test
+//! accuracy uses the whole test split.
+//!
+//! Peak memory (CPU only): after every level has been timed, each level runs one more training
+//! step on a fresh model with tch-amp's counting allocator installed
+//! (`tch_amp::diagnostics::track_cpu_memory`), and the table gives the most bytes held during
+//! that step: weights, masters, optimizer state, the batch, activations and gradients. The
+//! counting allocator is installed only then, so that it costs the timed epochs nothing.
+//!
+//! The autocast row runs libtorch's own fp16/bf16 kernels, as torch.autocast does; on a CPU
+//! without fast bf16 units (AVX512_BF16 or AMX) they are several times slower than fp32, so
+//! it is not in the default `--levels`. BENCHMARKS.md has this example's figures per machine.
 //!
 //! SGD with Nesterov momentum and a cosine schedule is used rather than Adam: under O3 the
 //! optimizer runs on the fp16 weights, and Adam's `eps` (1e-8) is zero in fp16, so a small
@@ -39,9 +52,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use tch::nn::{self, ModuleT};
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 use tch_amp::scaling::ScaleChange;
-use tch_amp::{initialize, AmpConfig, CpuKernels, OptLevel, StepOutcome};
+use tch_amp::torch_amp::Autocast;
+use tch_amp::{initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, StepOutcome};
 
 use common::data::{Dataset, Split, DEFAULT_DATA_DIR};
 use common::log::{StepLog, StepRecord};
@@ -51,8 +65,34 @@ use common::plot::{plot_levels_auto, LevelSummary};
 use common::progress;
 use common::train::{cosine_lr, epoch_batches, evaluate, steps_per_epoch, Eval};
 
-fn parse_level(s: &str) -> Result<OptLevel, String> {
-    s.trim().parse::<OptLevel>().map_err(|e| e.to_string())
+/// What one row of the comparison trains with: an Apex opt level, or PyTorch's recipe
+/// (autocast + GradScaler on fp32 weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Apex(OptLevel),
+    Autocast,
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Run::Apex(level) => write!(f, "{level}"),
+            Run::Autocast => f.write_str("autocast"),
+        }
+    }
+}
+
+impl serde::Serialize for Run {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+fn parse_level(s: &str) -> Result<Run, String> {
+    match s.trim() {
+        "autocast" => Ok(Run::Autocast),
+        other => other.parse::<OptLevel>().map(Run::Apex).map_err(|e| format!("{e} (or autocast)")),
+    }
 }
 
 /// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
@@ -87,15 +127,26 @@ struct Args {
     /// Folder with the four IDX files (gzip or plain) of Fashion-MNIST or an MNIST-like set.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data: PathBuf,
-    /// Opt levels to train, in order (comma-separated).
+    /// Opt levels to train, in order (comma-separated); `autocast` adds torch.amp's recipe
+    /// (autocast + GradScaler on fp32 weights).
     #[arg(long, value_delimiter = ',', default_value = "O0,O1,O2,O3", value_parser = parse_level)]
-    levels: Vec<OptLevel>,
+    levels: Vec<Run>,
     /// Training examples used (a seeded random subset; 0 = all 60,000).
     #[arg(long, default_value_t = 30_000)]
     train_size: usize,
     /// Test examples used (the first N; 0 = all 10,000).
     #[arg(long, default_value_t = 0)]
     test_size: usize,
+    /// Evaluate on the first `--eval-size` test images every this many steps (0: only at the end).
+    #[arg(long, default_value_t = 50)]
+    eval_every: usize,
+    /// Test images of the periodic evaluations.
+    #[arg(long, default_value_t = 2000)]
+    eval_size: usize,
+    /// Test accuracy (percent, on the periodic evaluations) whose first crossing is reported as
+    /// steps and training seconds.
+    #[arg(long, default_value_t = 88.0)]
+    target_accuracy: f64,
     /// Epochs per level.
     #[arg(long, default_value_t = 3)]
     epochs: usize,
@@ -138,10 +189,29 @@ struct Args {
     device: String,
 }
 
+/// A periodic evaluation.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct EvalPoint {
+    /// Steps taken before it.
+    step: usize,
+    /// Training seconds before it (evaluations not counted).
+    train_seconds: f64,
+    /// Top-1 accuracy on the first `--eval-size` test images, percent.
+    top1: f64,
+}
+
+/// The first evaluation at or above the target accuracy.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct TimeToTarget {
+    target: f64,
+    steps: usize,
+    train_seconds: f64,
+}
+
 /// What one opt level produced.
 #[derive(Debug, serde::Serialize)]
 struct LevelResult {
-    level: OptLevel,
+    level: Run,
     test: Eval,
     epoch_seconds: Vec<f64>,
     seconds_per_epoch: f64,
@@ -151,6 +221,10 @@ struct LevelResult {
     kernels: String,
     memory: MemoryBytes,
     memory_total: u64,
+    /// The most bytes held during one training step (CPU only; measured after the timed runs).
+    peak_step_bytes: Option<u64>,
+    evals: Vec<EvalPoint>,
+    time_to_target: Option<TimeToTarget>,
     steps: u64,
     skipped: u64,
     final_loss_scale: f64,
@@ -159,50 +233,173 @@ struct LevelResult {
     loss_scales: Vec<f64>,
 }
 
+/// One row's model, optimizer and scaler.
+enum Trainer {
+    /// tch-amp's Apex path at an opt level.
+    Apex { model: AmpModel<SmallResNet>, opt: AmpOptimizer, amp: Amp },
+    /// torch.amp's recipe: fp32 weights (an O0 `Amp`: no casts, the same SGD), the forward
+    /// under autocast, the loss through a GradScaler.
+    Autocast {
+        model: AmpModel<SmallResNet>,
+        opt: AmpOptimizer,
+        _amp: Amp,
+        scaler: GradScaler,
+        autocast: Autocast,
+        dtype: Kind,
+    },
+}
+
+/// What a step reports.
+struct StepReport {
+    loss_scale: f64,
+    new_loss_scale: f64,
+    skipped: bool,
+}
+
+impl Trainer {
+    fn new(args: &Args, data: &Dataset, run: Run, vs: &nn::VarStore) -> Result<Self> {
+        let net = SmallResNet::new(&vs.root(), resnet_config(args, data));
+        let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: args.weight_decay, nesterov: true };
+        let level = match run {
+            Run::Apex(level) => level,
+            Run::Autocast => OptLevel::O0,
+        };
+        // verbosity 0: overflows are reported above the progress bar instead of by tch-amp.
+        let (model, opt, amp) = initialize(vs, net, sgd, args.lr, &AmpConfig::new(level).verbosity(0))?;
+        Ok(match run {
+            Run::Apex(_) => Trainer::Apex { model, opt, amp },
+            Run::Autocast => {
+                let device = vs.device();
+                // torch.autocast's default type: bf16 on CPU, fp16 on CUDA.
+                let dtype = if device == Device::Cpu { Kind::BFloat16 } else { Kind::Half };
+                let scaler = GradScaler::new(device);
+                let autocast = Autocast::new(device).dtype(dtype);
+                Trainer::Autocast { model, opt, _amp: amp, scaler, autocast, dtype }
+            }
+        })
+    }
+
+    fn opt(&self) -> &AmpOptimizer {
+        match self {
+            Trainer::Apex { opt, .. } | Trainer::Autocast { opt, .. } => opt,
+        }
+    }
+
+    fn opt_mut(&mut self) -> &mut AmpOptimizer {
+        match self {
+            Trainer::Apex { opt, .. } | Trainer::Autocast { opt, .. } => opt,
+        }
+    }
+
+    /// The loss of a batch (training mode).
+    fn forward(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Trainer::Apex { model, .. } => model.forward_t(x, true).cross_entropy_for_logits(y),
+            Trainer::Autocast { model, autocast, .. } => {
+                autocast.run(|| model.forward_t(x, true).cross_entropy_for_logits(y))?
+            }
+        })
+    }
+
+    /// Backward of the scaled loss (Apex: `scale_loss`, which also unscales and checks for an
+    /// overflow); returns the loss scale it used.
+    fn backward(&mut self, loss: &Tensor) -> Result<f64> {
+        match self {
+            Trainer::Apex { opt, amp, .. } => Ok(amp.scale_loss(loss, &mut [&mut *opt], |s| s.backward())?.loss_scale),
+            Trainer::Autocast { scaler, .. } => {
+                let loss_scale = scaler.get_scale();
+                scaler.scale(loss)?.backward();
+                Ok(loss_scale)
+            }
+        }
+    }
+
+    /// The optimizer step (skipped on an overflow), and the scale for the next step.
+    fn step(&mut self, loss_scale: f64) -> Result<StepReport> {
+        match self {
+            Trainer::Apex { opt, amp, .. } => {
+                let skipped = matches!(opt.step()?, StepOutcome::Skipped { .. });
+                Ok(StepReport { loss_scale, new_loss_scale: amp.loss_scale(0)?, skipped })
+            }
+            Trainer::Autocast { opt, scaler, .. } => {
+                let skipped = !scaler.step(opt)?.stepped();
+                scaler.update()?;
+                Ok(StepReport { loss_scale, new_loss_scale: scaler.get_scale(), skipped })
+            }
+        }
+    }
+
+    fn evaluate(&self, split: &Split) -> Result<Eval> {
+        Ok(match self {
+            Trainer::Apex { model, .. } => evaluate(model, split, 500),
+            Trainer::Autocast { model, autocast, .. } => autocast.run(|| evaluate(model, split, 500))?,
+        })
+    }
+
+    fn final_loss_scale(&self) -> Result<f64> {
+        Ok(match self {
+            Trainer::Apex { amp, .. } => amp.loss_scale(0)?,
+            Trainer::Autocast { scaler, .. } => scaler.get_scale(),
+        })
+    }
+
+    fn scale_changes(&self) -> Result<Vec<ScaleChange>> {
+        Ok(match self {
+            Trainer::Apex { amp, .. } => amp.scaler(0)?.history().to_vec(),
+            Trainer::Autocast { .. } => Vec::new(),
+        })
+    }
+}
+
 fn train_level(
     args: &Args,
     data: &Dataset,
-    level: OptLevel,
+    run: Run,
     device: Device,
     log: &mut StepLog,
     first_step: u64,
 ) -> Result<LevelResult> {
     tch::manual_seed(args.seed as i64);
     let vs = nn::VarStore::new(device);
-    let net = SmallResNet::new(&vs.root(), resnet_config(args, data));
-    let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: args.weight_decay, nesterov: true };
-    // verbosity 0: overflows are reported above the progress bar instead of by tch-amp.
-    let amp_cfg = AmpConfig::new(level).verbosity(0);
-    let (model, mut opt, mut amp) = initialize(&vs, net, sgd, args.lr, &amp_cfg)?;
-    let kernels = kernels_of(amp.properties(), device);
+    let mut trainer = Trainer::new(args, data, run, &vs)?;
+    let kernels = kernels_of(&trainer, device);
+    let eval_split = data.test.head(args.eval_size);
 
     let n = data.train.len();
     let per_epoch = steps_per_epoch(n, args.batch_size);
     let total = per_epoch * args.epochs;
-    let pb = progress::bar(total as u64, &level.to_string());
+    let pb = progress::bar(total as u64, &run.to_string());
     let mut losses = Vec::with_capacity(total);
     let mut scales = Vec::with_capacity(total);
     let mut epoch_seconds = Vec::new();
+    let mut evals = Vec::new();
     let mut memory = MemoryBytes::default();
+    let mut skipped_steps = 0u64;
     let mut step = 0usize;
     for epoch in 0..args.epochs {
-        let t0 = Instant::now();
+        let mut seconds = 0.0;
         for idx in epoch_batches(n, args.batch_size, args.seed, epoch) {
-            opt.set_lr(cosine_lr(args.lr, step, total, args.warmup_steps))?;
+            let t0 = Instant::now();
+            trainer.opt_mut().set_lr(cosine_lr(args.lr, step, total, args.warmup_steps))?;
             let (x, y) = data.train.batch(&idx);
-            let loss = model.forward_t(&x, true).cross_entropy_for_logits(&y);
-            opt.zero_grad()?;
-            let out = amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward())?;
+            trainer.opt_mut().zero_grad()?;
+            let loss = trainer.forward(&x, &y)?;
+            let loss_scale = trainer.backward(&loss)?;
+            seconds += t0.elapsed().as_secs_f64();
             if memory.optimizer_state == 0 {
-                // Optimizer state appears at the first step taken: measure until it is there.
-                memory = measure(&vs, &opt);
+                // Between backward and step the gradients are there; optimizer state appears at
+                // the first step taken: measure until it is there.
+                memory = measure(&vs, trainer.opt());
             }
-            let skipped = matches!(opt.step()?, StepOutcome::Skipped { .. });
-            if skipped {
+            let t0 = Instant::now();
+            let out = trainer.step(loss_scale)?;
+            seconds += t0.elapsed().as_secs_f64();
+            if out.skipped {
+                skipped_steps += 1;
                 progress::println(
                     &pb,
                     format!(
-                        "{level}: gradient overflow at step {step}, step skipped, loss scale {} -> {}",
+                        "{run}: gradient overflow at step {step}, step skipped, loss scale {} -> {}",
                         out.loss_scale, out.new_loss_scale
                     ),
                 );
@@ -211,30 +408,42 @@ fn train_level(
             losses.push(l);
             scales.push(out.loss_scale);
             log.write(
-                &StepRecord::new(first_step + step as u64, l, out.loss_scale, skipped)
-                    .with("level", level.to_string())
+                &StepRecord::new(first_step + step as u64, l, out.loss_scale, out.skipped)
+                    .with("level", run.to_string())
                     .with("epoch", epoch)
-                    .with("lr", opt.lr()),
+                    .with("lr", trainer.opt().lr()),
             )?;
             step += 1;
             pb.inc(1);
             if step % 10 == 0 {
                 pb.set_message(format!("loss {l:.3} scale {}", out.new_loss_scale));
             }
+            if args.eval_every > 0 && step % args.eval_every == 0 {
+                let train_seconds = epoch_seconds.iter().sum::<f64>() + seconds;
+                evals.push(EvalPoint { step, train_seconds, top1: trainer.evaluate(&eval_split)?.top1 });
+            }
         }
-        epoch_seconds.push(t0.elapsed().as_secs_f64());
+        epoch_seconds.push(seconds);
     }
     pb.finish_and_clear();
-    let test = evaluate(&model, &data.test, 500);
-    let (steps, skipped) = opt.step_counts();
-    let final_loss_scale = amp.loss_scale(0)?;
+    if !evals.last().is_some_and(|e| e.step == step) {
+        let train_seconds = epoch_seconds.iter().sum::<f64>();
+        evals.push(EvalPoint { step, train_seconds, top1: trainer.evaluate(&eval_split)?.top1 });
+    }
+    let time_to_target = evals.iter().find(|e| e.top1 >= args.target_accuracy).map(|e| TimeToTarget {
+        target: args.target_accuracy,
+        steps: e.step,
+        train_seconds: e.train_seconds,
+    });
+    let test = trainer.evaluate(&data.test)?;
+    let final_loss_scale = trainer.final_loss_scale()?;
     let seconds_per_epoch = epoch_seconds.iter().sum::<f64>() / epoch_seconds.len().max(1) as f64;
     println!(
-        "{level}: test accuracy {:.2}%, test loss {:.4}, {seconds_per_epoch:.1} s/epoch, {skipped} skipped steps, final loss scale {final_loss_scale}",
+        "{run}: test accuracy {:.2}%, test loss {:.4}, {seconds_per_epoch:.1} s/epoch, {skipped_steps} skipped steps, final loss scale {final_loss_scale}",
         test.top1, test.loss
     );
     Ok(LevelResult {
-        level,
+        level: run,
         test,
         epoch_seconds,
         seconds_per_epoch,
@@ -242,13 +451,46 @@ fn train_level(
         kernels,
         memory,
         memory_total: memory.total(),
-        steps: steps + skipped,
-        skipped,
+        peak_step_bytes: None,
+        evals,
+        time_to_target,
+        steps: step as u64,
+        skipped: skipped_steps,
         final_loss_scale,
-        scale_changes: amp.scaler(0)?.history().to_vec(),
+        scale_changes: trainer.scale_changes()?,
         losses,
         loss_scales: scales,
     })
+}
+
+/// The most bytes held during one training step of `run` on the first batch, on a fresh model,
+/// counted by tch-amp's counting CPU allocator: the peak is reset after `zero_grad` and read
+/// after the optimizer step. None off the CPU.
+fn peak_step_bytes(args: &Args, data: &Dataset, run: Run, device: Device) -> Result<Option<u64>> {
+    if device != Device::Cpu {
+        return Ok(None);
+    }
+    tch_amp::diagnostics::track_cpu_memory()?;
+    let base = tch_amp::diagnostics::cpu_memory()?.current;
+    tch::manual_seed(args.seed as i64);
+    let vs = nn::VarStore::new(device);
+    let mut trainer = Trainer::new(args, data, run, &vs)?;
+    let batches = epoch_batches(data.train.len(), args.batch_size, args.seed, 0);
+    let (x, y) = data.train.batch(&batches[0]);
+    // The first step makes the optimizer state; the second is measured.
+    let mut peak = 0;
+    for measured in [false, true] {
+        trainer.opt_mut().zero_grad()?;
+        if measured {
+            tch_amp::diagnostics::reset_cpu_memory_peak()?;
+        }
+        let loss = trainer.forward(&x, &y)?;
+        let loss_scale = trainer.backward(&loss)?;
+        trainer.step(loss_scale)?;
+        drop(loss);
+        peak = tch_amp::diagnostics::cpu_memory()?.peak - base;
+    }
+    Ok(Some(peak.max(0) as u64))
 }
 
 /// The main job's network for `data` with the command line's width, stages and pooling.
@@ -275,58 +517,66 @@ fn warm_up(args: &Args, data: &Dataset, device: Device) {
 
 /// "fp32", or the 16-bit type and whether its GEMMs and convolutions run libtorch's native
 /// kernels or tch-amp's fp32 emulation (`CpuKernels`, chosen from the CPU at initialize).
-fn kernels_of(props: &tch_amp::Properties, device: Device) -> String {
-    match (props.low_precision_kind(), props.cpu_kernels()) {
-        (None, _) => "fp32".into(),
-        (Some(k), _) if device != Device::Cpu => {
-            format!("{} (CUDA)", if k == tch::Kind::Half { "fp16" } else { "bf16" })
-        }
-        (Some(k), kernels) => {
-            let how = if kernels == Some(CpuKernels::Native) { "native" } else { "emulated" };
-            format!("{} {how}", if k == tch::Kind::Half { "fp16" } else { "bf16" })
+/// Autocast always runs libtorch's native kernels.
+fn kernels_of(trainer: &Trainer, device: Device) -> String {
+    let name = |k: Kind| if k == Kind::Half { "fp16" } else { "bf16" };
+    match trainer {
+        Trainer::Autocast { dtype, .. } if device != Device::Cpu => format!("{} (CUDA)", name(*dtype)),
+        Trainer::Autocast { dtype, .. } => format!("{} native", name(*dtype)),
+        Trainer::Apex { amp, .. } => {
+            let props = amp.properties();
+            match (props.low_precision_kind(), props.cpu_kernels()) {
+                (None, _) => "fp32".into(),
+                (Some(k), _) if device != Device::Cpu => format!("{} (CUDA)", name(k)),
+                (Some(k), kernels) => {
+                    let how = if kernels == Some(CpuKernels::Native) { "native" } else { "emulated" };
+                    format!("{} {how}", name(k))
+                }
+            }
         }
     }
 }
 
-fn print_table(results: &[LevelResult]) {
+fn print_table(results: &[LevelResult], target: f64) {
+    let to_target = format!("to {target}%");
     println!();
     println!(
-        "{:<5} {:>9} {:>9} {:>11} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}",
+        "{:<8} {:>9} {:>9} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
         "level",
         "test acc",
         "s/epoch",
         "time vs O0",
+        to_target,
         "GEMMs in",
-        "bytes",
-        "weights",
-        "grads",
-        "masters",
-        "opt state",
+        "peak step",
+        "state",
         "skipped",
         "loss scale"
     );
     for r in results {
         let ratio = r.time_vs_o0.map_or("-".to_string(), |x| format!("{x:.2}x"));
+        let reached =
+            r.time_to_target.map_or("not reached".to_string(), |t| format!("{} st, {:.1} s", t.steps, t.train_seconds));
         println!(
-            "{:<5} {:>8.2}% {:>9.2} {:>11} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}",
+            "{:<8} {:>8.2}% {:>9.2} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
             r.level.to_string(),
             r.test.top1,
             r.seconds_per_epoch,
             ratio,
+            reached,
             r.kernels,
+            r.peak_step_bytes.map_or("-".to_string(), human),
             human(r.memory_total),
-            human(r.memory.weights),
-            human(r.memory.grads),
-            human(r.memory.masters),
-            human(r.memory.optimizer_state),
             format!("{}/{}", r.skipped, r.steps),
             r.final_loss_scale
         );
     }
     println!(
-        "time vs O0: seconds per epoch divided by O0's (0.80x = 20% less time than O0). bytes: training \
-         state (weights, gradients when the optimizer steps, fp32 masters, optimizer state), activations \
-         excluded. skipped: steps skipped after a gradient overflow / steps."
+        "time vs O0: seconds per epoch divided by O0's (0.80x = 20% less time than O0). {to_target}: steps and \
+         training seconds until the periodic test evaluation first reached it. peak step: the most bytes held \
+         during one training step (weights, masters, optimizer state, batch, activations, gradients; CPU only). \
+         state: weights, gradients when the optimizer steps, fp32 masters and optimizer state. skipped: steps \
+         skipped after a gradient overflow / steps."
     );
 }
 
@@ -337,7 +587,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let args = Args::parse();
     if args.levels.is_empty() {
-        bail!("--levels: give at least one of O0, O1, O2, O3");
+        bail!("--levels: give at least one of O0, O1, O2, O3, autocast");
     }
     if args.epochs == 0 || args.batch_size == 0 {
         bail!("--epochs and --batch-size must be at least 1");
@@ -363,6 +613,8 @@ fn run() -> Result<()> {
         args.batch_size,
         tch::get_num_threads()
     );
+    let cpu = tch_amp::cast::CpuFeatures::detect();
+    println!("CPU: {} ({} physical cores): {}", cpu.name, cpu.physical_cores, cpu.summary());
     warm_up(&args, &data, device);
     let mut log = StepLog::create(args.log.as_deref())?;
     let mut results: Vec<LevelResult> = Vec::new();
@@ -374,12 +626,17 @@ fn run() -> Result<()> {
         results.push(r);
     }
     log.flush()?;
-    if let Some(base) = results.iter().find(|r| r.level == OptLevel::O0).map(|r| r.seconds_per_epoch) {
+    // After every timed run: the counting allocator stays installed once it is.
+    for r in &mut results {
+        r.peak_step_bytes = peak_step_bytes(&args, &data, r.level, device)
+            .with_context(|| format!("measuring the peak memory of a step under {}", r.level))?;
+    }
+    if let Some(base) = results.iter().find(|r| r.level == Run::Apex(OptLevel::O0)).map(|r| r.seconds_per_epoch) {
         for r in &mut results {
             r.time_vs_o0 = Some(r.seconds_per_epoch / base);
         }
     }
-    print_table(&results);
+    print_table(&results, args.target_accuracy);
 
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("{}: cannot create the output folder", args.out.display()))?;
@@ -388,13 +645,17 @@ fn run() -> Result<()> {
             .iter()
             .map(|r| LevelSummary {
                 name: r.level.to_string(),
-                color: r.level as usize,
+                color: match r.level {
+                    Run::Apex(level) => level as usize,
+                    Run::Autocast => 4,
+                },
                 losses: r.losses.clone(),
                 scales: r.loss_scales.clone(),
                 test_accuracy: r.test.top1,
                 seconds_per_epoch: r.seconds_per_epoch,
                 time_vs_o0: r.time_vs_o0,
                 state_bytes: [r.memory.weights, r.memory.grads, r.memory.masters, r.memory.optimizer_state],
+                peak_bytes: r.peak_step_bytes,
             })
             .collect();
         let png = args.out.join("curves.png");
@@ -413,6 +674,7 @@ fn run() -> Result<()> {
         "test_examples": data.test.len(),
         "num_classes": data.num_classes,
         "libtorch_threads": tch::get_num_threads(),
+        "cpu": { "name": cpu.name, "physical_cores": cpu.physical_cores, "summary": cpu.summary() },
         "wall_seconds": wall.elapsed().as_secs_f64(),
         "results": &results,
     });

@@ -1,6 +1,6 @@
 """PyTorch side of `cargo bench --bench amp`: the same three models, batches, optimizer and
 thread count as the Rust side, timed as plain fp32 training and as PyTorch's native AMP
-(torch.autocast + GradScaler for fp16; autocast alone for bf16).
+(torch.autocast + GradScaler for fp16; autocast alone, or with a GradScaler, for bf16).
 
 It runs as a server so that the benchmark can interleave PyTorch configurations with its own
 (ABAB...), which is what makes ratios between them meaningful on a busy machine:
@@ -9,17 +9,20 @@ It runs as a server so that the benchmark can interleave PyTorch configurations 
 
 prints one JSON line {"ready": true, "torch": "2.13.0", "threads": 2, "configs": [...]}, then
 answers each line `run <workload> <config> <steps>` with one JSON line
-{"ms": [per-step milliseconds...]} (after one untimed step), until `quit` or end of input.
+{"ms": [per-step milliseconds...]} (after one untimed step), and each line
+`scaler <workload> <iterations>` with {"ms": [...]}: the time of GradScaler's
+`unscale_(opt)` + `update()` on the workload's fp32 gradients (restored, untimed, before each
+iteration), until `quit` or end of input.
 
 Workloads (keep in step with benches/amp.rs):
 - mlp: 784-1024-1024-10, batch norm after the first layer, ReLU; batch 128 of 784 features.
-- cnn: the main job's small ResNet (examples/common/model.rs: width 16, 2 stages, pool 7);
+- cnn: `make demo`'s small ResNet (examples/common/model.rs: width 16, 2 stages, pool 7);
   batch 128 of 1x28x28.
 - transformer: 2 pre-LN encoder blocks (d 256, 4 heads, feed-forward 1024, GELU, softmax
   attention written out), final LayerNorm, mean over tokens, linear head; batch 8 x 64
   tokens of 256 features.
-Configs: fp32, amp_bf16 (autocast bf16), amp_fp16 (autocast fp16 + GradScaler), and on CUDA
-also tf32.
+Configs: fp32, amp_bf16 (autocast bf16), amp_bf16_scaler (autocast bf16 + GradScaler),
+amp_fp16 (autocast fp16 + GradScaler), and on CUDA also tf32.
 """
 import argparse
 import json
@@ -156,7 +159,8 @@ class Config:
         else:
             self.opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9)
         self.mode = mode
-        self.scaler = torch.amp.GradScaler(device.type) if mode == "amp_fp16" else None
+        with_scaler = mode in ("amp_fp16", "amp_bf16_scaler")
+        self.scaler = torch.amp.GradScaler(device.type) if with_scaler else None
 
     def step(self):
         self.opt.zero_grad(set_to_none=True)
@@ -188,8 +192,38 @@ def set_tf32(on):
         torch.backends.cudnn.allow_tf32 = on
 
 
+def scaler_times(workload, iterations, clock):
+    """GradScaler's unscale_ + update on the fp32 gradients of one scaled backward of the
+    workload (the benches/amp.rs side does the same with tch_amp::GradScaler)."""
+    c = Config(workload, "fp32")
+    scaler = torch.amp.GradScaler(device.type)
+    c.opt.zero_grad(set_to_none=True)
+    scaler.scale(F.cross_entropy(c.model(c.x), c.y)).backward()
+    params = [p for p in c.model.parameters() if p.grad is not None]
+    saved = [p.grad.clone() for p in params]
+
+    def restore():
+        with torch.no_grad():
+            for p, g in zip(params, saved):
+                p.grad.copy_(g)
+
+    restore()
+    scaler.unscale_(c.opt)  # untimed: first call
+    scaler.update()
+    ms = []
+    for _ in range(iterations):
+        restore()
+        sync()
+        t = clock()
+        scaler.unscale_(c.opt)
+        scaler.update()
+        sync()
+        ms.append((clock() - t) * 1e3)
+    return ms
+
+
 def serve():
-    modes = ["fp32", "amp_bf16", "amp_fp16"] + (["tf32"] if device.type == "cuda" else [])
+    modes = ["fp32", "amp_bf16", "amp_bf16_scaler", "amp_fp16"] + (["tf32"] if device.type == "cuda" else [])
     configs = {}
     print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads(),
                       "configs": modes}), flush=True)
@@ -197,6 +231,11 @@ def serve():
         parts = line.split()
         if not parts or parts[0] == "quit":
             break
+        clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+        if parts[0] == "scaler":
+            _, workload, iterations = parts
+            print(json.dumps({"ms": scaler_times(workload, int(iterations), clock)}), flush=True)
+            continue
         _, workload, mode, steps = parts
         key = (workload, mode)
         if key not in configs:
@@ -205,7 +244,6 @@ def serve():
         set_tf32(mode == "tf32")
         c.step()  # untimed: settles caches after the other configurations ran
         sync()
-        clock = time.thread_time if a.clock == "cpu" else time.perf_counter
         ms, syncs = [], []
         for _ in range(int(steps)):
             t = clock()

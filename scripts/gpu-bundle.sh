@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU bundle (issue 14): tch-amp's CUDA test binaries, the main job
+# Builds the GPU bundle: tch-amp's CUDA test binaries, the main job
 # (examples/fashion_mnist.rs) and the benchmark (benches/amp.rs), compiled here against the
 # libtorch of the GPU machine, packed with Fashion-MNIST and a run script into one folder that
 # the device tool carries to the GPU machine and runs there.

@@ -16,8 +16,12 @@
 #
 #   bash .gpu-bundle/run.sh [--device cuda|cuda:N|cpu] [--skip-bench] [-- MAIN_JOB_ARGS...]
 #
-# Environment: TORCH_DIR = site-packages/torch of the PyTorch 2.11 to run against (default:
-# the one in /opt/torch/.venv, the GPU machine's); MAIN_JOB_ARGS may also come after `--`
+# The bundle's binaries are built by scripts/gpu-bundle.sh against PyPI's torch 2.11.0+cu130
+# with tch/torch-sys 0.24.0, not the repository's torch 2.13 / tch 0.26: the GPU machine has
+# PyTorch 2.11.0+cu130, and libtorch must be the version the binaries were built against.
+#
+# Environment: TORCH_DIR = site-packages/torch of a PyTorch 2.11.0 (CUDA 13.0 build) to run
+# against (default: the one in /opt/torch/.venv, the GPU machine's); MAIN_JOB_ARGS may also come after `--`
 # (default: the README's default run, 30,000 images, 3 epochs, O0-O3); BENCH_ARGS (default:
 # none, on --device); TCH_AMP_PYTHON, the Python with torch for the benchmark's PyTorch rows
 # (default: the one of the venv holding TORCH_DIR; without one, --no-python); STEP_TIMEOUT,

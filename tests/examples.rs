@@ -167,6 +167,7 @@ fn plot_writes_a_png_with_and_without_text() {
         seconds_per_epoch: secs,
         time_vs_o0: Some(secs / 7.0),
         state_bytes: [1000, 1000, 2000 * (color == 2) as u64, 1000],
+        peak_bytes: Some(50_000 + 1000 * color as u64),
     };
     let levels = vec![
         level("O0", 0, vec![1.0; 4], 89.3, 7.0),
@@ -177,8 +178,10 @@ fn plot_writes_a_png_with_and_without_text() {
     let auto = dir.path().join("auto.png");
     let text = common::plot::plot_levels_auto(&auto, "t", &levels).unwrap();
     // No level's scale moves: the panel says so in text instead.
+    // One level, no measured peak: the training state alone.
     let flat = dir.path().join("flat.png");
-    common::plot::plot_levels_auto(&flat, "t", &levels[..1]).unwrap();
+    let unmeasured = vec![common::plot::LevelSummary { peak_bytes: None, ..levels[0].clone() }];
+    common::plot::plot_levels_auto(&flat, "t", &unmeasured).unwrap();
     for p in [&bare, &auto, &flat] {
         let b = std::fs::read(p).unwrap();
         assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{}", p.display());
@@ -353,9 +356,13 @@ fn fashion_mnist_compares_the_levels_asked_for() {
             "--data",
             s(data.path()),
             "--levels",
-            "O0,O2",
+            "O0,O2,autocast",
             "--train-size",
             "256",
+            "--eval-every",
+            "2",
+            "--target-accuracy",
+            "0",
             "--epochs",
             "1",
             "--batch-size",
@@ -369,23 +376,32 @@ fn fashion_mnist_compares_the_levels_asked_for() {
         ],
     );
     let lines = read_log(&log);
-    check_log(&lines, 0, 8);
+    check_log(&lines, 0, 12);
     let levels: Vec<&str> = lines.iter().map(|l| l["level"].as_str().unwrap()).collect();
-    assert_eq!(levels, ["O0", "O0", "O0", "O0", "O2", "O2", "O2", "O2"]);
+    let want = ["O0", "O0", "O0", "O0", "O2", "O2", "O2", "O2", "autocast", "autocast", "autocast", "autocast"];
+    assert_eq!(levels, want);
     // The table has one row per level, O0 first with time vs O0 1.00x, and says what the
     // GEMMs computed in (O2: fp16, native or emulated as CpuKernels::Auto chose).
     assert!(stdout.contains("time vs O0"), "{stdout}");
-    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ")).collect();
-    assert_eq!(rows.len(), 2, "{stdout}");
+    let rows: Vec<&str> =
+        stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ") || l.starts_with("autocast ")).collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
     assert!(rows[0].contains("1.00x") && rows[0].contains("fp32"), "{stdout}");
     assert!(rows[1].contains("fp16 emulated") || rows[1].contains("fp16 native"), "{stdout}");
+    assert!(rows[2].contains("bf16 native"), "autocast runs libtorch's kernels: {stdout}");
     let record: Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
     let results = record["results"].as_array().unwrap();
     let names: Vec<&str> = results.iter().map(|r| r["level"].as_str().unwrap()).collect();
-    assert_eq!(names, ["O0", "O2"]);
+    assert_eq!(names, ["O0", "O2", "autocast"]);
     for r in results {
         assert_eq!(r["steps"], 4);
+        // Evaluated after steps 2 and 4; a target of 0% is reached at the first evaluation.
+        let evals: Vec<u64> = r["evals"].as_array().unwrap().iter().map(|e| e["step"].as_u64().unwrap()).collect();
+        assert_eq!(evals, [2, 4], "{r}");
+        assert_eq!(r["time_to_target"]["steps"], 2, "{r}");
+        // CPU: the peak of a step is measured, and it holds at least the training state.
+        assert!(r["peak_step_bytes"].as_u64().unwrap() > r["memory_total"].as_u64().unwrap(), "{r}");
         assert!(r["test"]["top1"].as_f64().is_some_and(|a| (0.0..=100.0).contains(&a)), "{r}");
         assert!(r["memory_total"].as_u64().unwrap() > 0);
         assert_eq!(r["losses"].as_array().unwrap().len(), 4);
@@ -394,6 +410,7 @@ fn fashion_mnist_compares_the_levels_asked_for() {
     assert!(results[1]["memory"]["masters"].as_u64().unwrap() > 0, "O2 keeps fp32 masters");
     assert_eq!(results[0]["final_loss_scale"], 1.0, "O0: static scale 1");
     assert!(results[1]["final_loss_scale"].as_f64().is_some_and(|x| x > 1.0), "O2: dynamic scale");
+    assert_eq!(results[2]["final_loss_scale"], 65536.0, "autocast: GradScaler's initial scale");
     let png = std::fs::read(out.path().join("curves.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
 }

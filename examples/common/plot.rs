@@ -150,6 +150,9 @@ pub struct LevelSummary {
     pub time_vs_o0: Option<f64>,
     /// Training-state bytes: weights, gradients, fp32 masters, optimizer state.
     pub state_bytes: [u64; 4],
+    /// The most bytes held during one training step (state, batch, activations, gradients),
+    /// where measured.
+    pub peak_bytes: Option<u64>,
 }
 
 /// A line style per level, so that curves lying on top of each other stay apart: solid,
@@ -196,8 +199,9 @@ fn legend_sample(i: usize, color: RGBColor, (x, y): (i32, i32)) -> Vec<PathEleme
 /// training loss per level (line styles keep overlapping curves apart), each level's loss
 /// minus O0's (the differences the first panel cannot show), the loss scale per level when
 /// it moves (else the constant scales as text), test accuracy per level, seconds per epoch
-/// with the time relative to O0, and training-state bytes split into weights, gradients,
-/// masters and optimizer state. `with_text` false draws no text at all (for a machine without
+/// with the time relative to O0, and the peak memory of a training step per level (training
+/// state and the rest: batch, activations, gradients; levels without a measured peak show
+/// their training state split into weights, gradients, masters and optimizer state). `with_text` false draws no text at all (for a machine without
 /// the font). Returns whether text was drawn.
 ///
 /// # Errors
@@ -423,21 +427,54 @@ fn draw_levels(
         }
     }
 
-    // 6. Training-state bytes, stacked.
-    let parts = ["weights", "grads", "masters", "opt state"];
-    let shades = [RGBColor(90, 90, 90), RGBColor(150, 150, 150), RGBColor(200, 160, 60), RGBColor(110, 150, 210)];
-    let kib = |b: u64| b as f64 / 1024.0;
-    let bmax = levels.iter().map(|l| kib(l.state_bytes.iter().sum())).fold(0.0f64, f64::max).max(1e-6) * 1.3;
+    // 6. Peak memory of a step, stacked: training state below, the rest (batch, activations,
+    // gradients, temporaries) above; the training state alone, split, where no peak was measured.
+    fn state(l: &LevelSummary) -> u64 {
+        l.state_bytes.iter().sum()
+    }
+    fn top(l: &LevelSummary) -> u64 {
+        l.peak_bytes.unwrap_or(0).max(state(l))
+    }
+    let measured = levels.iter().any(|l| l.peak_bytes.is_some());
+    let biggest = levels.iter().map(top).max().unwrap_or(0);
+    let (unit, div) = if biggest >= 10 << 20 { ("MiB", (1u64 << 20) as f64) } else { ("KiB", 1024.0) };
+    let scaled = move |b: u64| b as f64 / div;
+    let bmax = levels.iter().map(|l| scaled(top(l))).fold(0.0f64, f64::max).max(1e-6) * 1.3;
     let mut b = ChartBuilder::on(&panels[5]);
     b.margin(12).x_label_area_size(label_area).y_label_area_size(label_area + 15);
-    caption(&mut b, "training state (KiB), activations excluded");
+    if measured {
+        caption(&mut b, &format!("peak memory of a training step ({unit})"));
+    } else {
+        caption(&mut b, &format!("training state ({unit}), activations excluded"));
+    }
     let mut chart = b.build_cartesian_2d(x_range, 0f64..bmax)?;
     level_axes(&mut chart, text, n, &name_of)?;
-    for (p, (part, shade)) in parts.iter().zip(shades).enumerate() {
+    // (label, shade, the byte range a level's bar covers).
+    type Part = (&'static str, RGBColor, Box<dyn Fn(&LevelSummary) -> (u64, u64)>);
+    let parts: Vec<Part> = if measured {
+        vec![
+            ("training state", RGBColor(90, 90, 90), Box::new(|l: &LevelSummary| (0, state(l)))),
+            ("batch, activations, gradients", RGBColor(110, 150, 210), Box::new(|l: &LevelSummary| (state(l), top(l)))),
+        ]
+    } else {
+        let names = ["weights", "grads", "masters", "opt state"];
+        let shades = [RGBColor(90, 90, 90), RGBColor(150, 150, 150), RGBColor(200, 160, 60), RGBColor(110, 150, 210)];
+        (0..4)
+            .map(|p| -> Part {
+                let range = move |l: &LevelSummary| {
+                    let below: u64 = l.state_bytes[..p].iter().sum();
+                    (below, below + l.state_bytes[p])
+                };
+                (names[p], shades[p], Box::new(range))
+            })
+            .collect()
+    };
+    for (part, shade, range) in &parts {
+        let shade = *shade;
         let drawn = chart.draw_series(levels.iter().enumerate().map(|(i, l)| {
-            let below: f64 = l.state_bytes[..p].iter().map(|&b| kib(b)).sum();
+            let (from, to) = range(l);
             let x = i as f64;
-            Rectangle::new([(x - 0.3, below), (x + 0.3, below + kib(l.state_bytes[p]))], shade.filled())
+            Rectangle::new([(x - 0.3, scaled(from)), (x + 0.3, scaled(to))], shade.filled())
         }))?;
         if text {
             drawn.label(*part).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], shade.filled()));
@@ -445,9 +482,9 @@ fn draw_levels(
     }
     if text {
         for (i, l) in levels.iter().enumerate() {
-            let total = kib(l.state_bytes.iter().sum());
+            let total = scaled(top(l));
             chart.draw_series(std::iter::once(Text::new(
-                format!("{total:.0}"),
+                format!("{total:.1}"),
                 (i as f64 - 0.2, total + bmax * 0.05),
                 ("sans-serif", 14),
             )))?;

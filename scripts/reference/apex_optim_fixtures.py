@@ -9,14 +9,19 @@ values the kernels get: per-group step counts, bias corrections computed on the 
 the global gradient norm of LAMB, NovoGrad's per-tensor norms) and the reference
 implementations of Apex's tests/L0/run_optimizers (RefLAMB, the NovoGrad and Adagrad
 references): every operand loaded into fp32, each arithmetic operation of the kernel one fp32
-torch op (one rounding), host constants rounded to float as the C++ host code does, results
-stored rounded to each tensor's dtype. tch-amp's src/optim/apex.rs computes the same
-operations in the same order, so the test compares bit for bit.
+torch op (one rounding of libtorch's CPU kernel; its vectorized sqrt is not correctly rounded
+for every input), host constants rounded to float as the C++ host code does, results stored
+rounded to each tensor's dtype. LAMB's global norm is the norm of the per-tensor norms.
+FusedSGD is torch.optim.SGD's single-tensor ops (Apex documents it as the drop-in
+equivalent). tch-amp's src/optim/apex.rs computes the same operations in the same order, so
+the test compares bit for bit.
 
-Where Apex on a GPU differs from this reference (and so from tch-amp): nvcc contracts
-`a * b + c` into fused multiply-adds, and Apex's l2-norm kernel sums the squares in blocks in
-another order, so Apex's own results differ in the last bits of some elements (its own tests
-compare against RefLAMB with max_abs_diff 1e-3).
+Where Apex on a GPU differs from this reference (and so from tch-amp): Apex builds its kernels
+with --use_fast_math (approximate division and sqrt, denormals flushed to zero), nvcc contracts
+`a * b + c` into fused multiply-adds, Apex's l2-norm kernel sums the squares in blocks in
+another order, and LAMB's global norm is one sum of squares over every tensor, so Apex's own
+results differ in the last bits of some elements (its own tests compare against RefLAMB with
+max_abs_diff 1e-3).
 
 Run with the venv's python (TCH_AMP_PYTHON in .cargo/config.toml) from the repository root:
 

@@ -3,11 +3,11 @@
 //! CPU and libtorch's oneDNN can do.
 //!
 //! libtorch sends an fp16/bf16 GEMM or convolution to oneDNN when oneDNN supports the type on
-//! the CPU; otherwise it runs a generic loop that is 50-170x slower than fp32. oneDNN is only
+//! the CPU; otherwise it runs a generic loop, many times slower than fp32. oneDNN is only
 //! fast where the CPU computes in that type (bf16: AVX512_BF16 dot products or AMX_BF16 tile
 //! multiplies), and then only for the kernels it has: on AVX512_FP16 it has no fast fp16
-//! convolution weight gradient. [`CpuFeatures::native_is_fast`] gives the rule and the
-//! measurements behind it; the emulation (both operands converted to fp32, an fp32 GEMM, the
+//! convolution weight gradient. [`CpuFeatures::native_is_fast`] gives the rule (BENCHMARKS.md
+//! the measurements behind it); the emulation (both operands converted to fp32, an fp32 GEMM, the
 //! output rounded) runs at fp32 speed everywhere. Both follow the same numerical
 //! contract: inputs in the 16-bit type, products accumulated in fp32, the output rounded once
 //! (`tests/o1/emulation.rs` checks native against emulated on the CPU the tests run on).
@@ -99,18 +99,17 @@ impl CpuFeatures {
     }
 
     /// Whether libtorch's native kernels for `kind` (`Half` or `BFloat16`) are faster on this
-    /// CPU than the emulation, for training (forward and backward), as measured with
-    /// `cargo bench --bench amp` (BENCHMARKS.md):
+    /// CPU than the emulation, for training (forward and backward); `cargo bench --bench amp`
+    /// measures both (BENCHMARKS.md):
     /// - bf16: native when oneDNN supports bf16 and the CPU computes in it (AVX512_BF16 or
-    ///   AMX_BF16). Measured on an Intel Xeon with AMX_BF16: native steps take 0.45x (MLP) and
-    ///   0.55x (CNN) the emulated ones; an AMD EPYC with AVX512_BF16 ran PyTorch's bf16 autocast
-    ///   faster than tch-amp's emulation. Without those units oneDNN converts bf16 to fp32 as
-    ///   the emulation does, or libtorch falls back to loops 50-170x slower than fp32.
+    ///   AMX_BF16): there oneDNN's bf16 kernels beat an fp32 computation. Without those units
+    ///   oneDNN converts bf16 to fp32 as the emulation does, or libtorch falls back to generic
+    ///   loops many times slower than fp32.
     /// - fp16: never. With AVX512_FP16 (and no AMX_FP16) oneDNN runs fp16 GEMMs at fp32 speed
     ///   but computes the weight gradient of an fp16 convolution with its reference kernel
-    ///   (`ref:any`): the main job's CNN steps 30x slower than emulated. CPUs with AMX_FP16
-    ///   have not been measured; force [`CpuKernels::Native`] after measuring them. Without
-    ///   fp16 units libtorch's fp16 GEMMs are 50-170x slower than fp32.
+    ///   (`ref:any`), far slower than the emulation. CPUs with AMX_FP16 have not been
+    ///   measured; force [`CpuKernels::Native`] after measuring them. Without fp16 units
+    ///   libtorch's fp16 GEMMs run generic loops many times slower than fp32.
     pub fn native_is_fast(&self, kind: Kind) -> bool {
         match kind {
             Kind::BFloat16 => self.onednn_bf16 && (self.avx512_bf16 || self.amx_bf16),
@@ -168,8 +167,8 @@ pub(crate) fn resolve(mode: CpuKernels, kind: Kind) -> CpuKernels {
 /// threshold (128 KiB at first, raised as such blocks are freed) with a fresh `mmap` and trims
 /// the heap's free top back to the kernel, so a training loop that frees and reallocates the
 /// same multi-MiB tensors every step (the fp32 copies of fp16 weights an emulated GEMM
-/// multiplies, the weight gradients) gets them back as new zeroed pages: one page fault per
-/// 4 KiB. PyTorch's own CPU performance guide recommends jemalloc or tcmalloc for the same
+/// multiplies, the weight gradients) gets them back as new pages, which the kernel maps and
+/// zeroes one page at a time on first touch. PyTorch's own CPU performance guide recommends jemalloc or tcmalloc for the same
 /// reason.
 ///
 /// The setting: blocks up to 32 MiB come from the heap (`M_MMAP_THRESHOLD`), and the heap keeps

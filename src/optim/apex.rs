@@ -3,18 +3,26 @@
 //!
 //! Apex runs them as multi-tensor CUDA kernels (`csrc/multi_tensor_*.cu`), which cannot run
 //! here. tch-amp runs the algorithm those kernels compute, written as libtorch ops in the
-//! kernels' order: every operand loaded into fp32, one correctly rounded fp32 operation per
-//! arithmetic operation of the kernel, host-side constants (bias corrections, `1 - beta`)
+//! kernels' order: every operand loaded into fp32, one fp32 libtorch operation (one rounding)
+//! per arithmetic operation of the kernel, host-side constants (bias corrections, `1 - beta`)
 //! computed as the kernels' host code computes them (in `float`, `std::pow` in double), and
-//! results stored rounded to each tensor's dtype. The reference implementation in torch ops is
+//! results stored rounded to each tensor's dtype. Those operations are libtorch's CPU kernels,
+//! not IEEE-exact ones everywhere: the vectorized square root is not correctly rounded for
+//! every input (one ulp off on a small fraction of them). LAMB's global gradient norm is the
+//! norm of the per-tensor norms (`torch.linalg.vector_norm` of each gradient, then of the
+//! stacked norms), where Apex's `multi_tensor_l2norm` takes one sum of squares over every
+//! tensor. The reference implementation in torch ops is
 //! scripts/reference/apex_optim_fixtures.py; tests/amp/apex_optimizers.rs checks tch-amp against
 //! it bit for bit at every step.
 //!
-//! Where a GPU run of Apex differs: nvcc contracts `a * b + c` into fused multiply-adds (one
-//! rounding instead of two) and Apex's l2-norm kernel sums squares in another order, so Apex's
-//! own results differ from this algorithm in the last bits of some elements. [`FusedSgd`] runs
-//! torch.optim.SGD's single-tensor ops, which Apex documents as its equivalent, so it equals
-//! `torch.optim.SGD` bit for bit.
+//! Where a GPU run of Apex differs: Apex compiles these kernels with `--use_fast_math`
+//! (approximate division and square root, denormals flushed to zero), nvcc contracts
+//! `a * b + c` into fused multiply-adds (one rounding instead of two), and Apex's l2-norm kernel
+//! sums the squares in blocks in another order, so Apex's own results differ from this algorithm
+//! in the last bits of some elements (and where a value is denormal). [`FusedSgd`] runs
+//! torch.optim.SGD's single-tensor ops, which Apex documents as its equivalent (its
+//! `add(.., alpha)` rounds `a + alpha * b` once), so it equals `torch.optim.SGD` bit for bit,
+//! not Apex's kernel.
 use crate::error::ConfigError;
 use tch::{Kind, Tensor};
 

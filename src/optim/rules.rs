@@ -26,8 +26,8 @@ use crate::sys::{self, FusedAdamHyper};
 /// fused=False`, what torch.optim runs for CPU tensors): the same libtorch ops in the same
 /// order, so a ported script's weights and optimizer state equal its Python run's bit for bit.
 /// [`OptimizerConfig::fused`] selects libtorch's fused Adam/AdamW kernel instead (torch's
-/// `fused=True`): one kernel per learning rate instead of about ten per parameter (2.5-15x
-/// faster optimizer steps on CPU, more the more parameter tensors), equal to torch's
+/// `fused=True`): one kernel per learning rate instead of about ten per parameter (the
+/// saving grows with the number of parameter tensors), equal to torch's
 /// `fused=True` bit for bit but not to its default in the last bits. Apex's optimizers are
 /// described in [`FusedSgd`], [`FusedAdam`], [`FusedLamb`], [`FusedNovoGrad`] and
 /// [`FusedAdagrad`].

@@ -88,9 +88,11 @@
 //!   `GradScaler.state_dict()`) into the scalers, checked as [`crate::Amp::load_state_dict`] checks it.
 //!
 //! ## How a resumed run differs from Apex's own resume
-//! Resumed here, a run continues exactly as the Python run would have continued without the
-//! interruption, given the file's values (tests/torch_checkpoint.rs: bit for bit at O0 and O2).
-//! Apex's own resume (README recipe) does not: `optimizer.load_state_dict` runs before Apex
+//! Resumed here, a run continues bit for bit as a Python run continues from the file's values
+//! with its optimizer state kept in fp32 (tests/torch_checkpoint.rs, at O0 and O2). For a file
+//! Apex wrote under O2 that is not the uninterrupted run: the file holds the fp16 model cast to
+//! fp32, not the masters, so the resumed masters are fp16 values and the run drifts from the
+//! uninterrupted one from its first steps, about as far as Apex's own resume. Apex's own resume (README recipe) does not: `optimizer.load_state_dict` runs before Apex
 //! swaps the fp32 masters into the optimizer, so torch casts the saved fp32 state to the fp16
 //! model parameters' dtype, and Apex casts it back to fp32 when it makes the masters. The state
 //! makes a round trip through fp16: SGD's momentum lands up to 5.7e-5 off in the test's model,

@@ -12,8 +12,8 @@
 //!
 //! Bit for bit because tch-amp (src/optim/apex.rs) and the reference compute the kernels'
 //! arithmetic as the same fp32 torch ops in the same order; Apex's CUDA kernels themselves
-//! differ from both in the last bits (fused multiply-adds, block-wise norm sums; see the
-//! script). The expected values are written by scripts/reference/apex_optim_fixtures.py
+//! differ from both in the last bits (`--use_fast_math`, fused multiply-adds, block-wise norm
+//! sums, LAMB's single sum of squares; see the script). FusedSGD is torch.optim.SGD's ops. The expected values are written by scripts/reference/apex_optim_fixtures.py
 //! (PyTorch 2.13.0, CPU), run by the test on the machine that runs it ([`Fixture::generated`]).
 use crate::common::reference::{
     bits_equal, case_shapes as shapes, describe_diff, split_flat as split, torch_hyper, Fixture,
