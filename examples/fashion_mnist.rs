@@ -7,7 +7,8 @@
 //! for this CPU), the peak memory of one training step, bytes of training state (weights +
 //! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
 //! `--levels ...,autocast` adds PyTorch's own recipe through tch-amp: fp32 weights, the
-//! forward under `tch_amp::autocast` (bf16 on CPU, fp16 on CUDA) and a `GradScaler`.
+//! forward under `tch_amp::autocast` (bf16 on CPU, fp16 on CUDA, as torch.autocast) and a
+//! `GradScaler`; `autocast-fp16` and `autocast-bf16` choose the type.
 //!
 //! Writes `curves.png` (six panels: loss per level, each level's loss minus O0's, the loss
 //! scale over steps, test accuracy, seconds per epoch, peak memory per level) and
@@ -18,6 +19,7 @@
 //! cargo run --release --example fashion_mnist                      # default run, all levels
 //! cargo run --release --example fashion_mnist -- --levels O0,O2    # a selection
 //! cargo run --release --example fashion_mnist -- --levels O0,O1,O2,O3,autocast
+//! cargo run --release --example fashion_mnist -- --levels O0,O2,autocast-fp16,autocast-bf16
 //! cargo run --release --example fashion_mnist -- --train-size 0 --epochs 5   # full data set
 //! cargo run --release --example fashion_mnist -- --device cuda     # on the first GPU
 //! ```
@@ -70,14 +72,17 @@ use common::train::{cosine_lr, epoch_batches, evaluate, steps_per_epoch, Eval};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Run {
     Apex(OptLevel),
-    Autocast,
+    /// The type given, or torch.autocast's default for the device.
+    Autocast(Option<Kind>),
 }
 
 impl std::fmt::Display for Run {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Run::Apex(level) => write!(f, "{level}"),
-            Run::Autocast => f.write_str("autocast"),
+            Run::Autocast(None) => f.write_str("autocast"),
+            Run::Autocast(Some(Kind::Half)) => f.write_str("autocast-fp16"),
+            Run::Autocast(Some(_)) => f.write_str("autocast-bf16"),
         }
     }
 }
@@ -90,8 +95,13 @@ impl serde::Serialize for Run {
 
 fn parse_level(s: &str) -> Result<Run, String> {
     match s.trim() {
-        "autocast" => Ok(Run::Autocast),
-        other => other.parse::<OptLevel>().map(Run::Apex).map_err(|e| format!("{e} (or autocast)")),
+        "autocast" => Ok(Run::Autocast(None)),
+        "autocast-fp16" => Ok(Run::Autocast(Some(Kind::Half))),
+        "autocast-bf16" => Ok(Run::Autocast(Some(Kind::BFloat16))),
+        other => other
+            .parse::<OptLevel>()
+            .map(Run::Apex)
+            .map_err(|e| format!("{e} (or autocast, autocast-fp16, autocast-bf16)")),
     }
 }
 
@@ -128,7 +138,8 @@ struct Args {
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data: PathBuf,
     /// Opt levels to train, in order (comma-separated); `autocast` adds torch.amp's recipe
-    /// (autocast + GradScaler on fp32 weights).
+    /// (autocast + GradScaler on fp32 weights; `autocast-fp16` / `autocast-bf16` choose the
+    /// type, `autocast` takes the device's default).
     #[arg(long, value_delimiter = ',', default_value = "O0,O1,O2,O3", value_parser = parse_level)]
     levels: Vec<Run>,
     /// Training examples used (a seeded random subset; 0 = all 60,000).
@@ -262,16 +273,16 @@ impl Trainer {
         let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: args.weight_decay, nesterov: true };
         let level = match run {
             Run::Apex(level) => level,
-            Run::Autocast => OptLevel::O0,
+            Run::Autocast(_) => OptLevel::O0,
         };
         // verbosity 0: overflows are reported above the progress bar instead of by tch-amp.
         let (model, opt, amp) = initialize(vs, net, sgd, args.lr, &AmpConfig::new(level).verbosity(0))?;
         Ok(match run {
             Run::Apex(_) => Trainer::Apex { model, opt, amp },
-            Run::Autocast => {
+            Run::Autocast(dtype) => {
                 let device = vs.device();
                 // torch.autocast's default type: bf16 on CPU, fp16 on CUDA.
-                let dtype = if device == Device::Cpu { Kind::BFloat16 } else { Kind::Half };
+                let dtype = dtype.unwrap_or(if device == Device::Cpu { Kind::BFloat16 } else { Kind::Half });
                 let scaler = GradScaler::new(device);
                 let autocast = Autocast::new(device).dtype(dtype);
                 Trainer::Autocast { model, opt, _amp: amp, scaler, autocast, dtype }
@@ -541,7 +552,7 @@ fn print_table(results: &[LevelResult], target: f64) {
     let to_target = format!("to {target}%");
     println!();
     println!(
-        "{:<8} {:>9} {:>9} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
+        "{:<13} {:>9} {:>9} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
         "level",
         "test acc",
         "s/epoch",
@@ -558,7 +569,7 @@ fn print_table(results: &[LevelResult], target: f64) {
         let reached =
             r.time_to_target.map_or("not reached".to_string(), |t| format!("{} st, {:.1} s", t.steps, t.train_seconds));
         println!(
-            "{:<8} {:>8.2}% {:>9.2} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
+            "{:<13} {:>8.2}% {:>9.2} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
             r.level.to_string(),
             r.test.top1,
             r.seconds_per_epoch,
@@ -587,7 +598,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let args = Args::parse();
     if args.levels.is_empty() {
-        bail!("--levels: give at least one of O0, O1, O2, O3, autocast");
+        bail!("--levels: give at least one of O0, O1, O2, O3, autocast, autocast-fp16, autocast-bf16");
     }
     if args.epochs == 0 || args.batch_size == 0 {
         bail!("--epochs and --batch-size must be at least 1");
@@ -647,7 +658,8 @@ fn run() -> Result<()> {
                 name: r.level.to_string(),
                 color: match r.level {
                     Run::Apex(level) => level as usize,
-                    Run::Autocast => 4,
+                    Run::Autocast(Some(Kind::BFloat16)) => 5,
+                    Run::Autocast(_) => 4,
                 },
                 losses: r.losses.clone(),
                 scales: r.loss_scales.clone(),
