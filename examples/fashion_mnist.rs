@@ -59,6 +59,7 @@ use tch_amp::scaling::ScaleChange;
 use tch_amp::torch_amp::Autocast;
 use tch_amp::{initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, StepOutcome};
 
+use common::cli;
 use common::data::{Dataset, Split, DEFAULT_DATA_DIR};
 use common::log::{StepLog, StepRecord};
 use common::memory::{human, measure, MemoryBytes};
@@ -103,31 +104,6 @@ fn parse_level(s: &str) -> Result<Run, String> {
             .map(Run::Apex)
             .map_err(|e| format!("{e} (or autocast, autocast-fp16, autocast-bf16)")),
     }
-}
-
-/// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
-fn parse_device(s: &str) -> Result<Device, String> {
-    let bad = || format!("{s:?}: expected cpu, cuda or cuda:N (N = 0, 1, ...)");
-    match s.trim() {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        other => other.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()).map(Device::Cuda).ok_or_else(bad),
-    }
-}
-
-/// The device of `--device`, checked to be there.
-fn device(name: &str) -> Result<Device> {
-    let device = parse_device(name).map_err(|e| anyhow::anyhow!("--device {e}"))?;
-    if let Device::Cuda(i) = device {
-        let count = tch::Cuda::device_count();
-        if i as i64 >= count {
-            bail!(
-                "--device {name}: libtorch sees {count} CUDA device(s) here; use --device cpu, or run on a \
-                 machine with a GPU, its driver and a CUDA build of libtorch"
-            );
-        }
-    }
-    Ok(device)
 }
 
 /// Fashion-MNIST under Apex's four opt levels, compared.
@@ -196,7 +172,7 @@ struct Args {
     #[arg(long)]
     no_plot: bool,
     /// Device to train on: cpu, cuda (the first GPU) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = |s: &str| parse_device(s).map(|_| s.trim().to_string()))]
+    #[arg(long, default_value = "cpu", value_parser = |s: &str| cli::parse_device(s).map(|_| s.trim().to_string()))]
     device: String,
 }
 
@@ -603,7 +579,7 @@ fn run() -> Result<()> {
     if args.epochs == 0 || args.batch_size == 0 {
         bail!("--epochs and --batch-size must be at least 1");
     }
-    let device = device(&args.device)?;
+    let device = cli::device(&args.device)?;
     let wall = Instant::now();
     let data = Dataset::load(&args.data)?.standardize();
     let on_device = |s: Split| Split { images: s.images.to_device(device), labels: s.labels.to_device(device) };

@@ -26,7 +26,6 @@ mod common;
 use anyhow::{bail, Result};
 use clap::Parser;
 use tch::nn::{self, ModuleT, OptimizerConfig};
-use tch::Device;
 use tch_amp::torch_amp::{GradScalerOptions, Precision};
 use tch_amp::GradScaler;
 
@@ -43,7 +42,7 @@ struct Args {
     /// Lightning precision flag: bf16-mixed, 16-mixed or 32-true.
     #[arg(long, default_value = "bf16-mixed")]
     precision: String,
-    /// cpu or cuda.
+    /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Batch size.
@@ -72,11 +71,7 @@ fn run() -> Result<()> {
     if args.epochs == 0 || args.batch_size == 0 {
         bail!("--epochs and --batch-size must be at least 1");
     }
-    let device = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" if tch::Cuda::is_available() => Device::Cuda(0),
-        other => bail!("--device {other:?}: expected cpu, or cuda on a machine with CUDA"),
-    };
+    let device = common::cli::device(&args.device)?;
     let precision = Precision::parse(&args.precision)?;
     if !matches!(precision, Precision::Mixed { .. } | Precision::Fp32) {
         bail!("--precision {}: this example runs the torch.amp loop (bf16-mixed, 16-mixed or 32-true)", args.precision);

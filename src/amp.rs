@@ -630,7 +630,8 @@ fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
     crate::error::check_loss_value(loss)?;
     let device = loss.device();
     if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
-        return Err(AmpError::Usage(crate::error::loss_on_wrong_device(device, params)));
+        let problem = format!("is on {device:?} but an optimizer's parameters are on {params:?}: compute it there");
+        return Err(AmpError::Usage(UsageError::BadLoss { problem }));
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Command-line flags shared by the examples (clap, flattened into each example's own).
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use tch::Device;
 use tch_amp::AmpConfig;
 
 use super::data::{Dataset, DEFAULT_DATA_DIR};
@@ -79,4 +80,29 @@ impl AmpArgs {
         }
         Ok(AmpConfig::from_apex(&self.opt_level, &overrides)?)
     }
+}
+
+/// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    let bad = || format!("{s:?}: expected cpu, cuda or cuda:N (N = 0, 1, ...)");
+    match s.trim() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => other.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()).map(Device::Cuda).ok_or_else(bad),
+    }
+}
+
+/// The device of `--device`, checked to be there.
+pub fn device(name: &str) -> Result<Device> {
+    let device = parse_device(name).map_err(|e| anyhow::anyhow!("--device {e}"))?;
+    if let Device::Cuda(i) = device {
+        let count = tch::Cuda::device_count();
+        if i as i64 >= count {
+            bail!(
+                "--device {name}: libtorch sees {count} CUDA device(s) here; use --device cpu, or run on a \
+                 machine with a GPU, its driver and a CUDA build of libtorch"
+            );
+        }
+    }
+    Ok(device)
 }

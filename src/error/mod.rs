@@ -11,7 +11,7 @@
 //! # Ok(())
 //! # }
 //! ```
-use tch::{Device, Kind};
+use tch::Kind;
 
 use crate::config::OptLevel;
 
@@ -364,11 +364,4 @@ pub(crate) fn check_loss_value(loss: &tch::Tensor) -> Result<()> {
         return Ok(());
     };
     Err(AmpError::Usage(UsageError::BadLoss { problem }))
-}
-
-/// What `BadLoss` says about a loss on the wrong device.
-pub(crate) fn loss_on_wrong_device(loss: Device, params: Device) -> UsageError {
-    UsageError::BadLoss {
-        problem: format!("is on {loss:?} but an optimizer's parameters are on {params:?}: compute it there"),
-    }
 }
