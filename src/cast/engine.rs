@@ -20,7 +20,8 @@ use super::emulation::emulated_ops;
 use super::policy::CastPolicy;
 use super::settings::CastSettings;
 use crate::error::{AmpError, Result};
-use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr, SavedPolicy};
+pub(crate) use crate::sys::cast::SavedPolicy;
+use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr};
 
 /// One installed policy; dropping the last reference releases it.
 #[derive(Debug)]
@@ -110,16 +111,58 @@ pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<Poli
     if emulate_dtypes != 0 {
         owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
     }
+    let ptr = install_entries(owned, settings.allow_banned, emulate_dtypes, false)?;
+    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings: settings.resolved() }) })
+}
+
+/// Installs a policy of `owned` entries; the first install of the process also registers the
+/// standard ops.
+fn install_entries(
+    mut owned: Vec<(Device, EngineCategory, String)>,
+    allow_banned: bool,
+    emulate_dtypes: i32,
+    torch_autocast: bool,
+) -> Result<PolicyPtr> {
     let first = STANDARD_REGISTERED.get().is_none();
     if first {
         owned.extend(standard_ops()?.into_iter().map(|(device, op)| (device, EngineCategory::Passthrough, op)));
     }
     let entries: Vec<PolicyEntry<'_>> = owned.iter().map(|(d, c, op)| (*d, *c, op.as_str())).collect();
-    let ptr = engine::install(&entries, settings.allow_banned, emulate_dtypes)?;
+    let ptr = engine::install(&entries, allow_banned, emulate_dtypes, torch_autocast)?;
     if first {
         let _ = STANDARD_REGISTERED.set(());
     }
-    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings: settings.resolved() }) })
+    Ok(ptr)
+}
+
+/// torch.amp's autocast with `kind`'s (`Half` or `BFloat16`) CPU GEMMs and convolutions
+/// emulated: libtorch's own autocast kernels for every other op. Installed once per type and
+/// process.
+fn torch_autocast_policy(kind: Kind) -> Result<&'static PolicyPtr> {
+    static HALF: OnceCell<PolicyPtr> = OnceCell::new();
+    static BFLOAT16: OnceCell<PolicyPtr> = OnceCell::new();
+    let (cell, mask) = match kind {
+        Kind::Half => (&HALF, engine::EMULATE_HALF),
+        _ => (&BFLOAT16, engine::EMULATE_BFLOAT16),
+    };
+    cell.get_or_try_init(|| {
+        let mut owned: Vec<(Device, EngineCategory, String)> = CastPolicy::torch_native()
+            .resolve(Device::Cpu)?
+            .into_iter()
+            .map(|(op, cast)| (Device::Cpu, cast.engine_category(), op))
+            .collect();
+        owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
+        install_entries(owned, false, mask, true)
+    })
+}
+
+/// Makes torch.amp autocast's CPU emulation of `kind` the calling thread's policy (`None`: no
+/// policy, libtorch's own kernels) until the returned state is restored.
+pub(crate) fn activate_torch_autocast(emulate: Option<Kind>) -> Result<SavedPolicy> {
+    match emulate {
+        Some(kind) => engine::activate(Some(torch_autocast_policy(kind)?)),
+        None => engine::activate(None),
+    }
 }
 
 impl PolicyHandle {
@@ -200,12 +243,13 @@ pub(crate) fn kernels_registered() -> bool {
     engine::kernels_registered().unwrap_or(false)
 }
 
-/// Whether the calling thread has a tch-amp policy active.
+/// Whether the calling thread has a tch-amp cast policy active (Apex's lists, or the CPU
+/// emulation of O2/O3; not torch.amp's autocast).
 ///
 /// # Errors
 /// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
 pub(crate) fn policy_active() -> Result<bool> {
-    engine::policy_active()
+    Ok(engine::active_kind()? == engine::ActiveKind::Cast)
 }
 
 /// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured before

@@ -56,11 +56,13 @@ pub(crate) use autocast::count_torch_autocast;
 pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
-pub(crate) use cpu::CpuKernels;
 pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures};
+pub(crate) use cpu::{resolve as resolve_cpu_kernels, CpuKernels};
 pub use disable::DisableCastsGuard;
+pub(crate) use engine::{
+    activate_torch_autocast, kernels_registered, libtorch_autocast_ops, policy_active, SavedPolicy,
+};
 pub use engine::{install_policy, ActivePolicyGuard, PolicyHandle};
-pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};
 pub use error::classify_torch_error;
 pub(crate) use policy::CastPolicy;
 pub use policy::{Cast, CastLists, UserCasts};

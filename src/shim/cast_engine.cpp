@@ -95,7 +95,8 @@ struct Entry {
 };
 
 // Registers (once) what `entries` and libtorch's own Autocast ops need, then builds the policy.
-void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulate_dtypes, void** out) {
+void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulate_dtypes, bool torch_autocast,
+             void** out) {
   *out = nullptr;
   TORCH_CHECK(n >= 0 && (n == 0 || raw != nullptr), "invalid cast-policy entry list");
   TORCH_CHECK(emulate_dtypes >= 0 && emulate_dtypes <= (kEmulateHalf | kEmulateBFloat16),
@@ -160,6 +161,7 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
 
   auto policy = std::make_shared<Policy>();
   policy->allow_banned = allow_banned;
+  policy->torch_autocast = torch_autocast;
   policy->emulate_dtypes = static_cast<uint8_t>(emulate_dtypes);
   const size_t count = e.names.size();
   for (int dev = 0; dev < kDevices; ++dev) policy->category[dev].assign(count, 0);
@@ -175,7 +177,9 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
       any_category = true;
     }
   }
-  if (any_emulated && !any_category) {
+  if (torch_autocast) {
+    // Composites run libtorch's own autocast kernels, which exclude the Autocast keys inside.
+  } else if (any_emulated && !any_category) {
     policy->emulation_only = true;
   } else if (any_emulated) {
     auto inner = std::make_shared<Policy>();
@@ -233,11 +237,12 @@ char* tch_amp_libtorch_autocast_ops(int dev, void* ctx, tch_amp_string_sink sink
 }
 
 // Builds a policy from `n` entries (registering what is not registered yet); `emulate_dtypes`
-// says which 16-bit types the emulation entries apply to (kEmulateHalf | kEmulateBFloat16).
+// says which 16-bit types the emulation entries apply to (kEmulateHalf | kEmulateBFloat16);
+// `torch_autocast` makes it torch.amp's autocast with CPU emulation (Policy::torch_autocast).
 // *out receives its handle, to be released with tch_amp_cast_policy_release.
 char* tch_amp_cast_policy_install(const tch_amp_cast_entry* entries, int n, int allow_banned, int emulate_dtypes,
-                                  void** out) {
-  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, emulate_dtypes, out))
+                                  int torch_autocast, void** out) {
+  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, emulate_dtypes, torch_autocast != 0, out))
 }
 
 // Releases a policy handle. The registrations stay (see the top of this file).
@@ -272,8 +277,11 @@ char* tch_amp_cast_policy_restore(void* saved, int* none_active) {
   })
 }
 
-// Whether the calling thread has a tch-amp policy active.
-char* tch_amp_cast_policy_active(int* active) { TCH_AMP_PROTECT(*active = tls_policy ? 1 : 0) }
+// Which policy the calling thread has active: 0 none, 1 a cast policy (Apex's lists, or the
+// emulation of O2/O3), 2 torch.amp's autocast with CPU emulation.
+char* tch_amp_cast_policy_active(int* active) {
+  TCH_AMP_PROTECT(*active = !tls_policy ? 0 : (tls_policy->torch_autocast ? 2 : 1))
+}
 
 // Empties the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_clear() { TCH_AMP_PROTECT(cache_clear()) }

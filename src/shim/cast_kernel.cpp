@@ -89,7 +89,11 @@ class CastKernel final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     const c10::DispatchKeySet below = ks - c10::autocast_dispatch_keyset;
     const Policy* policy = tls_policy.get();
-    if (policy == nullptr) {
+    if (policy != nullptr && policy->torch_autocast && dev_ == kCpu && !inplace_ && policy->emulated(id_)) {
+      run_torch_emulated(op, ks, below, stack, *policy);
+      return;
+    }
+    if (policy == nullptr || policy->torch_autocast) {
       // No tch-amp policy on this thread: behave exactly as libtorch would.
       if (native_.has_value()) {
         native_->callBoxed(op, ks, stack);
@@ -157,6 +161,49 @@ class CastKernel final : public c10::OperatorKernel {
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
       op.redispatchBoxed(below, stack);
     }
+  }
+
+  // An emulated op under torch.amp's autocast. An op of libtorch's CPU lists has its arguments
+  // cast as libtorch's autocast kernel casts them (at::autocast::cached_cast, so libtorch's
+  // weight cache and its cache_enabled flag apply), then is emulated. An op of no list is
+  // emulated when its inputs already are one emulated 16-bit type, and otherwise gets exactly
+  // what libtorch would do.
+  void run_torch_emulated(const c10::OperatorHandle& op, c10::DispatchKeySet ks, c10::DispatchKeySet below,
+                          torch::jit::Stack* stack, const Policy& policy) const {
+    const size_t nargs = op.schema().arguments().size();
+    const Category cat = policy.category_of(id_, kCpu);
+    if (cat == Category::LowPrecision || cat == Category::Fp32) {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      const at::ScalarType to =
+          cat == Category::Fp32 ? at::kFloat : at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
+      map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) {
+        return t.defined() ? at::autocast::cached_cast(to, t, c10::DeviceType::CPU) : t;
+      });
+      run_emulated(op, below, stack, nargs, policy);
+      return;
+    }
+    const std::optional<at::ScalarType> low = uniform_low(stack, nargs);
+    if (low.has_value() && policy.emulates_dtype(*low)) {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      run_emulated(op, below, stack, nargs, policy);
+    } else if (native_.has_value()) {
+      native_->callBoxed(op, ks, stack);
+    } else {
+      op.redispatchBoxed(below, stack);
+    }
+  }
+
+  // The 16-bit type every eligible floating input has, if they all have the same one.
+  static std::optional<at::ScalarType> uniform_low(const torch::jit::Stack* stack, size_t nargs) {
+    std::optional<at::ScalarType> low;
+    bool uniform = true;
+    for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
+      if (!eligible(t, kCpu)) return;
+      const auto s = t.scalar_type();
+      if (!is_low(s) || (low.has_value() && *low != s)) uniform = false;
+      low = s;
+    });
+    return uniform ? low : std::nullopt;
   }
 
   // Apex's in-place rules: an fp32-list op in place on a low-precision self is an error (the
@@ -254,15 +301,8 @@ class CastKernel final : public c10::OperatorKernel {
   // here, above autograd, so backward has the same rounding points.
   void run_emulated(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
                     size_t nargs, const Policy& policy) const {
-    std::optional<at::ScalarType> low;
-    bool uniform = true;
-    for_each_tensor_arg(stack, nargs, false, [&](const at::Tensor& t) {
-      if (!eligible(t, kCpu)) return;
-      const auto s = t.scalar_type();
-      if (!is_low(s) || (low.has_value() && *low != s)) uniform = false;
-      low = s;
-    });
-    if (!uniform || !low.has_value() || !policy.emulates_dtype(*low)) {
+    const std::optional<at::ScalarType> low = uniform_low(stack, nargs);
+    if (!low.has_value() || !policy.emulates_dtype(*low)) {
       // Mixed or full-precision inputs, or a type this policy runs natively: the native
       // kernel decides.
       op.redispatchBoxed(below, stack);

@@ -51,6 +51,10 @@ struct Policy {
   bool allow_banned = false;
   // CPU emulation on and no cast lists: the policy O2/O3 use for half models.
   bool emulation_only = false;
+  // torch.amp's autocast with CPU emulation: every op gets libtorch's own autocast kernel
+  // except the emulated ones on CPU, which are cast as libtorch casts them (its weight cache
+  // included) and then emulated. `category` holds libtorch's CPU lists.
+  bool torch_autocast = false;
   // CPU emulation on and some cast lists: the same emulation set with no cast lists, under
   // which a cast op's internals run.
   std::shared_ptr<const Policy> inner;

@@ -42,6 +42,7 @@ extern "C" {
         n: c_int,
         allow_banned: c_int,
         emulate_dtypes: c_int,
+        torch_autocast: c_int,
         out: *mut *mut c_void,
     ) -> *mut c_char;
     fn tch_amp_cast_policy_release(handle: *mut c_void) -> *mut c_char;
@@ -118,8 +119,15 @@ pub(crate) const EMULATE_BFLOAT16: c_int = 2;
 
 /// Builds a policy from `entries`, registering tch-amp's kernels for ops that have none yet.
 /// The `Emulate` entries apply to the 16-bit types in `emulate_dtypes` ([`EMULATE_HALF`] |
-/// [`EMULATE_BFLOAT16`]).
-pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, emulate_dtypes: c_int) -> Result<PolicyPtr> {
+/// [`EMULATE_BFLOAT16`]). `torch_autocast`: torch.amp's autocast with CPU emulation
+/// (libtorch's own autocast kernels for every op but the emulated ones; `entries` hold
+/// libtorch's CPU lists).
+pub(crate) fn install(
+    entries: &[PolicyEntry<'_>],
+    allow_banned: bool,
+    emulate_dtypes: c_int,
+    torch_autocast: bool,
+) -> Result<PolicyPtr> {
     let mut names = Vec::with_capacity(entries.len());
     for &(_, _, op) in entries {
         let (name, overload) = op.split_once('.').unwrap_or((op, ""));
@@ -148,7 +156,16 @@ pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, emulate_d
     // SAFETY: `raw` holds n entries whose strings (`names`) outlive the call; `out` is an
     // out-pointer to a local.
     check(
-        unsafe { tch_amp_cast_policy_install(raw.as_ptr(), n, c_int::from(allow_banned), emulate_dtypes, &mut out) },
+        unsafe {
+            tch_amp_cast_policy_install(
+                raw.as_ptr(),
+                n,
+                c_int::from(allow_banned),
+                emulate_dtypes,
+                c_int::from(torch_autocast),
+                &mut out,
+            )
+        },
         "cast_policy_install",
     )?;
     Ok(PolicyPtr(out))
@@ -205,9 +222,27 @@ pub(crate) fn kernels_registered() -> Result<bool> {
     flag(tch_amp_cast_kernels_registered, "cast_kernels_registered")
 }
 
-/// Whether the calling thread has a policy active.
-pub(crate) fn policy_active() -> Result<bool> {
-    flag(tch_amp_cast_policy_active, "cast_policy_active")
+/// Which policy the calling thread has active.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ActiveKind {
+    /// None: libtorch's own behaviour.
+    None,
+    /// A cast policy: Apex's lists, or the CPU emulation of O2/O3.
+    Cast,
+    /// torch.amp's autocast with CPU emulation.
+    TorchAutocast,
+}
+
+/// Which policy the calling thread has active.
+pub(crate) fn active_kind() -> Result<ActiveKind> {
+    let mut value: c_int = 0;
+    // SAFETY: a plain out-pointer to a local.
+    check(unsafe { tch_amp_cast_policy_active(&mut value) }, "cast_policy_active")?;
+    Ok(match value {
+        0 => ActiveKind::None,
+        2 => ActiveKind::TorchAutocast,
+        _ => ActiveKind::Cast,
+    })
 }
 
 /// Empties the calling thread's weight-cast cache.

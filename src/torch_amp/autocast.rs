@@ -5,7 +5,10 @@ use std::marker::PhantomData;
 use tch::{Device, Kind};
 
 use super::error::{Result, TorchAmpError};
-use crate::cast::{autocast_state, count_torch_autocast, policy_active, AutocastState};
+use crate::cast::{
+    activate_torch_autocast, autocast_state, count_torch_autocast, policy_active, resolve_cpu_kernels, AutocastState,
+    CpuKernels, SavedPolicy,
+};
 use crate::sys;
 
 /// torch.autocast's arguments: `device_type`, `dtype`, `enabled`, `cache_enabled`.
@@ -30,17 +33,24 @@ use crate::sys;
 /// ```
 ///
 /// # CPU kernels
-/// Autocast always runs libtorch's own fp16/bf16 kernels, so forward and backward are
-/// torch.autocast's bit for bit. [`crate::CpuKernels`] (the Apex path's fp32 emulation) does
-/// not apply: on a CPU without fast units for the type (bf16: AVX512_BF16 or AMX; see
-/// [`crate::cast::CpuFeatures::native_is_fast`]) libtorch's fp16/bf16 GEMMs and convolutions
-/// are many times slower than fp32, as they are under torch.autocast there.
+/// On CUDA, and on a CPU with fast units for the type (bf16: AVX512_BF16 or AMX; see
+/// [`crate::cast::CpuFeatures::native_is_fast`]), autocast runs libtorch's own fp16/bf16
+/// kernels, so forward and backward are torch.autocast's bit for bit. Elsewhere libtorch's
+/// fp16/bf16 CPU GEMMs and convolutions are many times slower than fp32, and autocast makes the
+/// Apex path's choice ([`Autocast::cpu_kernels`], [`CpuKernels::Auto`] by default): the ops of
+/// `opt_levels/emulate_cpu.toml` are cast as libtorch casts them (its weight cache included),
+/// computed in fp32 and their outputs rounded once to the autocast dtype, forward and backward
+/// (the contract of that file; results are within an ulp of libtorch's native kernels, plus
+/// fp32 summation order). Every other op, composites such as scaled_dot_product_attention
+/// included, runs libtorch's autocast kernel. [`CpuKernels::Native`] gives torch.autocast's
+/// kernels everywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Autocast {
     device: Device,
     dtype: Option<Kind>,
     enabled: bool,
     cache_enabled: Option<bool>,
+    cpu_kernels: CpuKernels,
 }
 
 impl Autocast {
@@ -48,7 +58,16 @@ impl Autocast {
     /// `device_type`), enabled, in the thread's current autocast dtype for that type (bf16 on
     /// CPU and fp16 on CUDA unless an enclosing scope set another), the cache flag unchanged.
     pub fn new(device: Device) -> Self {
-        Self { device, dtype: None, enabled: true, cache_enabled: None }
+        Self { device, dtype: None, enabled: true, cache_enabled: None, cpu_kernels: CpuKernels::Auto }
+    }
+
+    /// How the CPU's fp16/bf16 GEMMs and convolutions run inside the scope (see "CPU kernels"
+    /// above): [`CpuKernels::Auto`] (the default) emulates them where the CPU has no fast
+    /// units for the dtype, [`CpuKernels::Native`] always runs libtorch's kernels (bit for bit
+    /// torch.autocast), [`CpuKernels::Emulate`] always emulates. No effect on CUDA.
+    pub fn cpu_kernels(mut self, mode: CpuKernels) -> Self {
+        self.cpu_kernels = mode;
+        self
     }
 
     /// The low-precision dtype: `Kind::BFloat16` or `Kind::Half`.
@@ -106,11 +125,19 @@ impl Autocast {
             log::warn!("autocast: device type CUDA was given, but CUDA is not available. Disabling.");
             enabled = false;
         }
+        // A CPU scope decides the CPU kernels (an inner scope may change them); a disabled or
+        // CUDA scope leaves them as they are.
+        let policy = if enabled && self.device == Device::Cpu {
+            let emulate = resolve_cpu_kernels(self.cpu_kernels, dtype) == CpuKernels::Emulate;
+            Some(activate_torch_autocast(emulate.then_some(dtype))?)
+        } else {
+            None
+        };
         sys::autocast_set(self.device, enabled, dtype)?;
         let previous_cache = sys::autocast_cache_enabled(self.cache_enabled)?;
         sys::autocast_nesting(true)?;
         count_torch_autocast(true);
-        Ok(AutocastScope { device: self.device, previous, previous_cache, _not_send: PhantomData })
+        Ok(AutocastScope { device: self.device, previous, previous_cache, policy, _not_send: PhantomData })
     }
 
     /// Runs `f` inside the scope (torch's `with torch.autocast(..):`); the previous state is
@@ -151,6 +178,8 @@ pub struct AutocastScope {
     device: Device,
     previous: AutocastState,
     previous_cache: bool,
+    // The thread's previous CPU kernels (policy), when this scope set them.
+    policy: Option<SavedPolicy>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -162,6 +191,12 @@ impl Drop for AutocastScope {
         }
         let _ = sys::autocast_set(self.device, self.previous.enabled, self.previous.dtype);
         let _ = sys::autocast_cache_enabled(Some(self.previous_cache));
+        if let Some(saved) = self.policy.take() {
+            if saved.restore().unwrap_or(false) {
+                // The emulation's fp32 copies of 16-bit leaf weights.
+                let _ = sys::cast::cache_clear();
+            }
+        }
         count_torch_autocast(false);
     }
 }

@@ -18,8 +18,9 @@ use std::process::Command;
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::distributed::{DdpOptions, DistributedDataParallel, InitOptions, ProcessGroup};
+use tch_amp::torch_amp::Autocast;
 use tch_amp::torch_amp::GradScalerOptions;
-use tch_amp::{autocast, initialize, AmpConfig, GradScaler, OptLevel};
+use tch_amp::{initialize, AmpConfig, CpuKernels, GradScaler, OptLevel};
 
 use crate::support::{free_port, global_rng_lock, Peer, PEER_DEADLINE, TIMEOUT};
 
@@ -90,7 +91,10 @@ fn train_with_python_rank(amp_recipe: bool) {
         opt.zero_grad().unwrap();
         let vars = vs.variables();
         if amp_recipe {
-            let loss = autocast(Device::Cpu, || ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean)).unwrap();
+            let loss = Autocast::new(Device::Cpu)
+                .cpu_kernels(CpuKernels::Native)
+                .run(|| ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean))
+                .unwrap();
             scaler.scale(&loss).unwrap().backward();
             check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
             // The Python rank's batch holds an inf at step 2; the allreduce brings it here.

@@ -1,11 +1,12 @@
 //! tch_amp::autocast is libtorch's own autocast: torch's default dtypes, nesting, the state
 //! restored on drop and on panic, and a typed error when the Apex path's cast policy is active
-//! on the same thread (either way round).
+//! on the same thread (either way round). On the CPU its GEMMs and convolutions may be emulated
+//! (`CpuKernels`): cast as libtorch casts them, computed in fp32, rounded once.
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::autocast_state;
 use tch_amp::error::UsageError;
 use tch_amp::torch_amp::{Autocast, TorchAmpError};
-use tch_amp::{AmpConfig, AmpError, OptLevel};
+use tch_amp::{diagnostics, AmpConfig, AmpError, CpuKernels, OptLevel};
 
 fn mm_kind() -> Kind {
     let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
@@ -87,4 +88,84 @@ fn apex_policy_and_torch_autocast_exclude_each_other_on_a_thread() {
     })
     .join()
     .unwrap();
+}
+
+/// Deterministic values in [-1, 1].
+fn det(shape: &[i64], salt: f64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.7311 + salt).sin().reshape(shape)
+}
+
+fn differing(a: &Tensor, b: &Tensor) -> i64 {
+    assert_eq!((a.kind(), a.size()), (b.kind(), b.size()));
+    a.ne_tensor(b).sum(Kind::Int64).int64_value(&[])
+}
+
+/// A transposed convolution on fp32 inputs: on libtorch's CPU low-precision list, and its native
+/// fp16/bf16 CPU kernel rounds intermediates, so it differs from the emulation's single rounding.
+fn conv_t(x: &Tensor, w: &Tensor) -> Tensor {
+    x.conv_transpose2d(w, None::<Tensor>, [2, 2], [1, 1], [0, 0], 1, [1, 1])
+}
+
+#[test]
+fn cpu_emulation_casts_as_libtorch_does_then_rounds_once() {
+    let (x, w) = (det(&[2, 16, 7, 7], 0.1), det(&[16, 8, 3, 3], 0.2));
+    for dtype in [Kind::BFloat16, Kind::Half] {
+        let run =
+            |k: CpuKernels| Autocast::new(Device::Cpu).dtype(dtype).cpu_kernels(k).run(|| conv_t(&x, &w)).unwrap();
+        let (emulated, native) = (run(CpuKernels::Emulate), run(CpuKernels::Native));
+        let low = |t: &Tensor| t.to_kind(dtype);
+        let f32 = |t: &Tensor| low(t).to_kind(Kind::Float);
+        assert_eq!(differing(&emulated, &low(&conv_t(&f32(&x), &f32(&w)))), 0, "{dtype:?}: emulated");
+        assert_eq!(differing(&native, &conv_t(&low(&x), &low(&w))), 0, "{dtype:?}: native is torch.autocast's");
+        assert!(differing(&emulated, &native) > 0, "{dtype:?}: the emulation did not run");
+    }
+}
+
+#[test]
+fn cpu_emulation_backward_has_the_forwards_rounding_points() {
+    let x = det(&[12, 64], 0.3).set_requires_grad(true);
+    let w = det(&[64, 10], 0.4).set_requires_grad(true);
+    let up = det(&[12, 10], 0.5);
+    let y = Autocast::new(Device::Cpu).cpu_kernels(CpuKernels::Emulate).run(|| x.mm(&w)).unwrap();
+    assert_eq!(y.kind(), Kind::BFloat16);
+    (y.to_kind(Kind::Float) * &up).sum(Kind::Float).backward();
+    // Each gradient: the fp32 product of bf16 values, rounded once to bf16, then to fp32 at the
+    // weight's cast (as a bf16 GEMM's gradient reaches an fp32 leaf under torch.autocast).
+    let r = |t: &Tensor| t.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+    let gx = r(&up).mm(&r(&w).tr());
+    let gw = r(&x).tr().mm(&r(&up));
+    assert_eq!(differing(&x.grad(), &r(&gx)), 0, "grad of x");
+    assert_eq!(differing(&w.grad(), &r(&gw)), 0, "grad of w");
+}
+
+#[test]
+fn cpu_kernels_nest_per_scope_and_thread() {
+    let (x, w) = (det(&[2, 16, 7, 7], 0.1), det(&[16, 8, 3, 3], 0.2));
+    let low = |t: &Tensor| t.to_kind(Kind::BFloat16);
+    let native = conv_t(&low(&x), &low(&w));
+    let emulate = Autocast::new(Device::Cpu).cpu_kernels(CpuKernels::Emulate);
+    emulate
+        .run(|| {
+            let emulated = conv_t(&x, &w);
+            assert!(differing(&emulated, &native) > 0);
+            // The emulation is not an Apex cast policy (which torch autocast refuses).
+            assert!(!diagnostics::policy_active().unwrap());
+            Autocast::new(Device::Cpu)
+                .cpu_kernels(CpuKernels::Native)
+                .run(|| assert_eq!(differing(&conv_t(&x, &w), &native), 0, "inner native scope"))
+                .unwrap();
+            // A disabled scope runs fp32; the emulation comes back after it.
+            Autocast::new(Device::Cpu).enabled(false).run(|| assert_eq!(conv_t(&x, &w).kind(), Kind::Float)).unwrap();
+            assert_eq!(differing(&conv_t(&x, &w), &emulated), 0, "outer scope again");
+            // Autocast and its kernels are per thread.
+            let (x2, w2) = (x.copy(), w.copy());
+            let other = std::thread::spawn(move || conv_t(&x2, &w2).kind()).join().unwrap();
+            assert_eq!(other, Kind::Float);
+        })
+        .unwrap();
+    // Afterwards: plain libtorch, and a native scope is torch.autocast's.
+    assert_eq!(conv_t(&x, &w).kind(), Kind::Float);
+    let again = Autocast::new(Device::Cpu).cpu_kernels(CpuKernels::Native).run(|| conv_t(&x, &w)).unwrap();
+    assert_eq!(differing(&again, &native), 0);
 }

@@ -3,14 +3,20 @@
 //! clip_grad_norm_, gradient accumulation, two models / losses / optimizers with one scaler,
 //! a gradient penalty through `autograd.grad(create_graph=True)`, and a region forced to fp32
 //! inside autocast. bf16 and fp16 autocast both run libtorch's native CPU kernels (small
-//! models: fast enough).
+//! models: fast enough); the gradient penalty also runs with the CPU emulation, against the same
+//! script with `F.linear` emulated in Python.
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_amp::torch_amp::{clip_grad_norm_, Autocast, GradScalerOptions};
-use tch_amp::{Amp, AmpConfig, GradScaler, OptLevel};
+use tch_amp::{Amp, AmpConfig, CpuKernels, GradScaler, OptLevel};
 
 use crate::common::{batch, deterministic_init};
-use crate::support::{mlp, poisoned, torch_reference, Rows};
+use crate::support::{differs, mlp, poisoned, torch_reference, Rows};
+
+/// CPU autocast with libtorch's native kernels: torch.autocast's, bit for bit.
+fn native() -> Autocast {
+    Autocast::new(Device::Cpu).cpu_kernels(CpuKernels::Native)
+}
 
 fn dtype(arg: &str) -> Kind {
     match arg {
@@ -65,7 +71,7 @@ fn typical(arg: &str) {
             x = poisoned(&x);
         }
         opt.zero_grad();
-        let (out, loss) = Autocast::new(Device::Cpu)
+        let (out, loss) = native()
             .dtype(dtype(arg))
             .run(|| {
                 let out = model.forward(&x);
@@ -127,10 +133,7 @@ fn unscale_then_clip_grad_norm_matches_torch() {
         for step in 0..8 {
             let (x, y) = batch(step, 8);
             opt.zero_grad();
-            let loss = Autocast::new(Device::Cpu)
-                .dtype(dtype(arg))
-                .run(|| model.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-                .unwrap();
+            let loss = native().dtype(dtype(arg)).run(|| model.forward(&x).mse_loss(&y, tch::Reduction::Mean)).unwrap();
             scaler.scale(&loss).unwrap().backward();
             scaler.unscale_(&opt).unwrap();
             // torch's parameter order (tch creates each bias before its weight): the norm sums
@@ -177,8 +180,7 @@ fn gradient_accumulation_matches_torch() {
     let mut rows = Rows::default();
     for i in 0..12 {
         let (x, y) = batch(i, 4);
-        let loss =
-            tch_amp::autocast(Device::Cpu, || model.forward(&x).mse_loss(&y, tch::Reduction::Mean) / 3.0).unwrap();
+        let loss = native().run(|| model.forward(&x).mse_loss(&y, tch::Reduction::Mean) / 3.0).unwrap();
         scaler.scale(&loss).unwrap().backward();
         if (i + 1) % 3 == 0 {
             scaler.step(&mut opt).unwrap();
@@ -240,13 +242,14 @@ fn two_models_losses_optimizers_one_scaler_match_torch() {
         // torch keeps the graph for the second backward (retain_graph=True); tch's backward
         // frees it, so each loss gets its own (identical) forward.
         let losses = || {
-            tch_amp::autocast(Device::Cpu, || {
-                let (o0, o1) = (m0.forward(&x), m1.forward(&x));
-                let loss0 = (&o0 * 2.0 + &o1 * 3.0).mse_loss(&y, tch::Reduction::Mean);
-                let loss1 = (&o0 * 3.0 - &o1 * 5.0).mse_loss(&y, tch::Reduction::Mean);
-                (loss0, loss1)
-            })
-            .unwrap()
+            native()
+                .run(|| {
+                    let (o0, o1) = (m0.forward(&x), m1.forward(&x));
+                    let loss0 = (&o0 * 2.0 + &o1 * 3.0).mse_loss(&y, tch::Reduction::Mean);
+                    let loss1 = (&o0 * 3.0 - &o1 * 5.0).mse_loss(&y, tch::Reduction::Mean);
+                    (loss0, loss1)
+                })
+                .unwrap()
         };
         let (loss0, _) = losses();
         scaler.scale(&loss0).unwrap().backward();
@@ -296,14 +299,14 @@ fn fp32_region_inside_autocast_matches_torch() {
     for step in 0..5 {
         let (x, y) = batch(step, 8);
         opt.zero_grad();
-        let (h, out, loss) = tch_amp::autocast(Device::Cpu, || {
-            let h = model.fc1.forward(&x).relu();
-            let out =
-                Autocast::new(Device::Cpu).enabled(false).run(|| model.fc2.forward(&h.to_kind(Kind::Float))).unwrap();
-            let loss = out.mse_loss(&y, tch::Reduction::Mean);
-            (h, out, loss)
-        })
-        .unwrap();
+        let (h, out, loss) = native()
+            .run(|| {
+                let h = model.fc1.forward(&x).relu();
+                let out = native().enabled(false).run(|| model.fc2.forward(&h.to_kind(Kind::Float))).unwrap();
+                let loss = out.mse_loss(&y, tch::Reduction::Mean);
+                (h, out, loss)
+            })
+            .unwrap();
         assert_eq!((h.kind(), out.kind()), (Kind::BFloat16, Kind::Float));
         scaler.scale(&loss).unwrap().backward();
         scaler.step(&mut opt).unwrap();
@@ -346,10 +349,41 @@ for step in range(8):
     push("loss", loss); push("norm", norm); push("scale", scaler._scale); push_model("", model)
 "#;
 
+/// What tch-amp's CPU emulation does to `F.linear` under autocast, in Python: the arguments cast
+/// to the autocast dtype as libtorch casts them, an fp32 linear of those values, the output
+/// rounded once.
+const EMULATED_LINEAR: &str = r#"
+_linear = F.linear
+def emulated_linear(x, w, b=None):
+    if not torch.is_autocast_enabled("cpu"):
+        return _linear(x, w, b)
+    dt = torch.get_autocast_dtype("cpu")
+    with torch.autocast("cpu", enabled=False):
+        args = [None if t is None else t.to(dt).float() for t in (x, w, b)]
+        return _linear(*args).to(dt)
+F.linear = emulated_linear
+"#;
+
 #[test]
 fn gradient_penalty_matches_torch() {
+    gradient_penalty(CpuKernels::Native);
+}
+
+#[test]
+fn gradient_penalty_emulated_matches_torch_with_emulated_linear() {
+    gradient_penalty(CpuKernels::Emulate);
+}
+
+fn gradient_penalty(kernels: CpuKernels) {
     for arg in ["bf16", "fp16"] {
-        let torch = torch_reference(GRADIENT_PENALTY, arg);
+        let torch = if kernels == CpuKernels::Emulate {
+            let emulated = torch_reference(&format!("{EMULATED_LINEAR}{GRADIENT_PENALTY}"), arg);
+            // The test can fail: libtorch's native kernels give other numbers.
+            assert!(differs(&emulated, &torch_reference(GRADIENT_PENALTY, arg)), "{arg}: emulation changes nothing");
+            emulated
+        } else {
+            torch_reference(GRADIENT_PENALTY, arg)
+        };
         let vs = nn::VarStore::new(Device::Cpu);
         let model = mlp(&vs.root());
         deterministic_init(&vs);
@@ -361,7 +395,7 @@ fn gradient_penalty_matches_torch() {
         let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
         let mut scaler = scaler_for(arg, 3);
         let mut rows = Rows::default();
-        let autocast = Autocast::new(Device::Cpu).dtype(dtype(arg));
+        let autocast = Autocast::new(Device::Cpu).cpu_kernels(kernels).dtype(dtype(arg));
         for step in 0..8 {
             let (mut x, y) = batch(step, 8);
             if step == 5 {
