@@ -396,8 +396,8 @@ enum Config {
     /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU.
     Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels },
     /// tch-amp's torch.amp path: fp32 weights and an O0 optimizer, the forward under
-    /// `tch_amp::Autocast` with `dtype`, the loss through `tch_amp::GradScaler`.
-    Autocast { dtype: Kind },
+    /// `tch_amp::Autocast` with `dtype` and `kernels`, the loss through `tch_amp::GradScaler`.
+    Autocast { dtype: Kind, kernels: CpuKernels },
     /// PyTorch in Python: "fp32", "tf32", "amp_bf16", "amp_bf16_scaler", "amp_fp16".
     Torch(&'static str),
 }
@@ -426,7 +426,16 @@ impl Config {
                 };
                 format!("tch-amp {level} {}{how}", dtype_name(*k))
             }
-            Config::Autocast { dtype } => format!("tch-amp autocast {} + GradScaler", dtype_name(*dtype)),
+            Config::Autocast { dtype, kernels } => {
+                let how = if cuda {
+                    String::new()
+                } else {
+                    let auto = CpuFeatures::detect().auto_choice(*dtype) == *kernels;
+                    let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
+                    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
+                };
+                format!("tch-amp autocast {} + GradScaler{how}", dtype_name(*dtype))
+            }
             Config::Torch("fp32") => "PyTorch fp32".into(),
             Config::Torch("tf32") => "PyTorch TF32".into(),
             Config::Torch("amp_bf16") => "PyTorch autocast bf16".into(),
@@ -473,8 +482,14 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
             }
         }
     }
-    v.push(Config::Autocast { dtype: Kind::BFloat16 });
-    v.push(Config::Autocast { dtype: Kind::Half });
+    // Native rows run the same kernels as PyTorch's autocast rows; where Auto emulates, the
+    // emulated rows beside them.
+    for dtype in [Kind::BFloat16, Kind::Half] {
+        v.push(Config::Autocast { dtype, kernels: CpuKernels::Native });
+        if !cuda && CpuFeatures::detect().auto_choice(dtype) == CpuKernels::Emulate {
+            v.push(Config::Autocast { dtype, kernels: CpuKernels::Emulate });
+        }
+    }
     if python {
         v.push(Config::Torch("fp32"));
         if cuda {
@@ -637,10 +652,30 @@ struct AutocastSession {
 }
 
 enum Runner {
-    Loop { net: Net, _vs: VarStore, opt: HandOpt, tf32: bool },
-    Amp { cfg: Box<AmpConfig>, vs: VarStore, net: Option<Net>, session: Option<Box<AmpSession>> },
-    Autocast { dtype: Kind, vs: VarStore, net: Net, scaler: GradScaler, session: Option<Box<AutocastSession>> },
-    Torch { workload: Workload, mode: &'static str },
+    Loop {
+        net: Net,
+        _vs: VarStore,
+        opt: HandOpt,
+        tf32: bool,
+    },
+    Amp {
+        cfg: Box<AmpConfig>,
+        vs: VarStore,
+        net: Option<Net>,
+        session: Option<Box<AmpSession>>,
+    },
+    Autocast {
+        dtype: Kind,
+        kernels: CpuKernels,
+        vs: VarStore,
+        net: Net,
+        scaler: GradScaler,
+        session: Option<Box<AutocastSession>>,
+    },
+    Torch {
+        workload: Workload,
+        mode: &'static str,
+    },
 }
 
 struct Bench {
@@ -666,10 +701,10 @@ impl Bench {
                 let cfg = c.amp_config().expect("an Amp config");
                 Runner::Amp { cfg: Box::new(cfg), vs, net: Some(net), session: None }
             }
-            Config::Autocast { dtype } => {
+            Config::Autocast { dtype, kernels } => {
                 let net = build(w, &vs);
                 let scaler = GradScaler::new(self.device);
-                Runner::Autocast { dtype, vs, net, scaler, session: None }
+                Runner::Autocast { dtype, kernels, vs, net, scaler, session: None }
             }
             Config::Torch(mode) => Runner::Torch { workload: w, mode },
         })
@@ -773,13 +808,14 @@ impl Bench {
                     );
                 }
             }
-            Runner::Autocast { dtype, net, scaler, session, .. } => {
+            Runner::Autocast { dtype, kernels, net, scaler, session, .. } => {
                 let s = session.as_mut().ok_or_else(|| anyhow!("round not begun"))?;
                 let t = now();
                 s.opt.zero_grad()?;
                 let t_zero = ms_since(t);
                 let t = now();
-                let loss = Autocast::new(d).dtype(*dtype).run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
+                let autocast = Autocast::new(d).dtype(*dtype).cpu_kernels(*kernels);
+                let loss = autocast.run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
                 sync(d);
                 let t_fwd = ms_since(t);
                 let t = now();
@@ -1209,10 +1245,11 @@ fn step_bytes(bench: &Bench, r: &mut Runner, x: &Tensor, y: &Tensor, base: i64) 
             let peak = diagnostics::cpu_memory()?.peak - base;
             Ok(StepBytes { peak, forward, state: s.opt.memory().total() as i64 })
         }
-        Runner::Autocast { dtype, net, scaler, session: Some(s), .. } => {
+        Runner::Autocast { dtype, kernels, net, scaler, session: Some(s), .. } => {
             s.opt.zero_grad()?;
             let before = diagnostics::reset_cpu_memory_peak()?;
-            let loss = Autocast::new(d).dtype(*dtype).run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
+            let autocast = Autocast::new(d).dtype(*dtype).cpu_kernels(*kernels);
+            let loss = autocast.run(|| net.forward_t(x, true).cross_entropy_for_logits(y))?;
             let forward = diagnostics::cpu_memory()?.current - before.current;
             scaler.scale(&loss)?.backward();
             scaler.step(&mut s.opt)?;
@@ -1256,7 +1293,7 @@ fn memory_configs(cuda: bool) -> Vec<Config> {
             v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: CpuKernels::Native });
         }
     }
-    v.push(Config::Autocast { dtype: Kind::BFloat16 });
+    v.push(Config::Autocast { dtype: Kind::BFloat16, kernels: CpuKernels::Native });
     v
 }
 
@@ -1267,7 +1304,7 @@ fn runs_slow_kernels(c: Config, cuda: bool) -> bool {
     !cuda
         && match c {
             Config::Amp { dtype: Some(k), kernels: CpuKernels::Native, .. } => auto(k) == CpuKernels::Emulate,
-            Config::Autocast { dtype } => auto(dtype) == CpuKernels::Emulate,
+            Config::Autocast { dtype, kernels: CpuKernels::Native } => auto(dtype) == CpuKernels::Emulate,
             _ => false,
         }
 }
@@ -1399,23 +1436,25 @@ fn print_torch_amp_pairs(cfgs: &[Config], per_round: &[Vec<f64>], cuda: bool) {
     let pairs = [(Kind::BFloat16, "amp_bf16_scaler"), (Kind::Half, "amp_fp16")];
     let mut lines = Vec::new();
     for (k, mode) in pairs {
-        let ours = cfgs.iter().position(|c| *c == Config::Autocast { dtype: k });
-        let theirs = cfgs.iter().position(|c| *c == Config::Torch(mode));
-        if let (Some(a), Some(b)) = (ours, theirs) {
-            let ratio: Vec<f64> = per_round[a].iter().zip(&per_round[b]).map(|(x, y)| x / y).collect();
-            lines.push(format!(
-                "| {} / {} | {} |",
-                cfgs[a].label(cuda),
-                cfgs[b].label(cuda),
-                Spread::of(&ratio).show(3)
-            ));
+        for kernels in [CpuKernels::Native, CpuKernels::Emulate] {
+            let ours = cfgs.iter().position(|c| *c == Config::Autocast { dtype: k, kernels });
+            let theirs = cfgs.iter().position(|c| *c == Config::Torch(mode));
+            if let (Some(a), Some(b)) = (ours, theirs) {
+                let ratio: Vec<f64> = per_round[a].iter().zip(&per_round[b]).map(|(x, y)| x / y).collect();
+                lines.push(format!(
+                    "| {} / {} | {} |",
+                    cfgs[a].label(cuda),
+                    cfgs[b].label(cuda),
+                    Spread::of(&ratio).show(3)
+                ));
+            }
         }
     }
     if lines.is_empty() {
         return;
     }
     println!();
-    println!("The torch.amp path, tch-amp against PyTorch (same autocast kernels, same fused Adam; per-round ratio of step times):");
+    println!("The torch.amp path, tch-amp against PyTorch (same fused Adam; native rows: the same autocast kernels; per-round ratio of step times):");
     println!();
     println!("| rows | time ratio |");
     println!("|---|---:|");

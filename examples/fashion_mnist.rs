@@ -6,9 +6,9 @@
 //! with libtorch's native kernels or tch-amp's fp32 emulation, as `CpuKernels::Auto` chose
 //! for this CPU), the peak memory of one training step, bytes of training state (weights +
 //! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
-//! `--levels ...,autocast` adds PyTorch's own recipe through tch-amp: fp32 weights, the
-//! forward under `tch_amp::autocast` (bf16 on CPU, fp16 on CUDA, as torch.autocast) and a
-//! `GradScaler`; `autocast-fp16` and `autocast-bf16` choose the type.
+//! The rows `autocast-fp16` and `autocast-bf16` are PyTorch's own recipe through tch-amp: fp32
+//! weights, the forward under `tch_amp::torch_amp::Autocast` in that type and a `GradScaler`
+//! (`autocast` takes torch.autocast's default type: bf16 on CPU, fp16 on CUDA).
 //!
 //! Writes `curves.png` (six panels: loss per level, each level's loss minus O0's, the loss
 //! scale over steps, test accuracy, seconds per epoch, peak memory per level) and
@@ -39,9 +39,9 @@
 //! that step: weights, masters, optimizer state, the batch, activations and gradients. The
 //! counting allocator is installed only then, so that it costs the timed epochs nothing.
 //!
-//! The autocast row runs libtorch's own fp16/bf16 kernels, as torch.autocast does; on a CPU
-//! without fast bf16 units (AVX512_BF16 or AMX) they are several times slower than fp32, so
-//! it is not in the default `--levels`. BENCHMARKS.md has this example's figures per machine.
+//! The autocast rows make the Apex levels' choice of CPU kernels (`CpuKernels::Auto`): libtorch's
+//! own fp16/bf16 kernels where the CPU has fast units for the type, the fp32 emulation
+//! elsewhere. BENCHMARKS.md has this example's figures per machine.
 //!
 //! SGD with Nesterov momentum and a cosine schedule is used rather than Adam: under O3 the
 //! optimizer runs on the fp16 weights, and Adam's `eps` (1e-8) is zero in fp16, so a small
@@ -113,10 +113,10 @@ struct Args {
     /// Folder with the four IDX files (gzip or plain) of Fashion-MNIST or an MNIST-like set.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data: PathBuf,
-    /// Opt levels to train, in order (comma-separated); `autocast` adds torch.amp's recipe
-    /// (autocast + GradScaler on fp32 weights; `autocast-fp16` / `autocast-bf16` choose the
-    /// type, `autocast` takes the device's default).
-    #[arg(long, value_delimiter = ',', default_value = "O0,O1,O2,O3", value_parser = parse_level)]
+    /// Opt levels to train, in order (comma-separated); `autocast-fp16` / `autocast-bf16` are
+    /// torch.amp's recipe (autocast + GradScaler on fp32 weights), `autocast` in the device's
+    /// default type.
+    #[arg(long, value_delimiter = ',', default_value = "O0,O1,O2,O3,autocast-fp16,autocast-bf16", value_parser = parse_level)]
     levels: Vec<Run>,
     /// Training examples used (a seeded random subset; 0 = all 60,000).
     #[arg(long, default_value_t = 30_000)]
@@ -503,13 +503,18 @@ fn warm_up(args: &Args, data: &Dataset, device: Device) {
 }
 
 /// "fp32", or the 16-bit type and whether its GEMMs and convolutions run libtorch's native
-/// kernels or tch-amp's fp32 emulation (`CpuKernels`, chosen from the CPU at initialize).
-/// Autocast always runs libtorch's native kernels.
+/// kernels or tch-amp's fp32 emulation (`CpuKernels::Auto`, chosen from the CPU).
 fn kernels_of(trainer: &Trainer, device: Device) -> String {
     let name = |k: Kind| if k == Kind::Half { "fp16" } else { "bf16" };
     match trainer {
         Trainer::Autocast { dtype, .. } if device != Device::Cpu => format!("{} (CUDA)", name(*dtype)),
-        Trainer::Autocast { dtype, .. } => format!("{} native", name(*dtype)),
+        Trainer::Autocast { dtype, .. } => {
+            let how = match tch_amp::cast::CpuFeatures::detect().auto_choice(*dtype) {
+                CpuKernels::Native => "native",
+                _ => "emulated",
+            };
+            format!("{} {how}", name(*dtype))
+        }
         Trainer::Apex { amp, .. } => {
             let props = amp.properties();
             match (props.low_precision_kind(), props.cpu_kernels()) {

@@ -19,8 +19,9 @@
 //!     scaler.step(opt)
 //!     scaler.update()
 //! ```
-//! On a CPU without AVX512_BF16/AMX (or AVX512_FP16) libtorch's own bf16/fp16 convolutions are
-//! slow; autocast always runs them (the Apex path can emulate them: `CpuKernels`).
+//! On a CPU without fast units for the type (bf16: AVX512_BF16 or AMX) libtorch's own bf16/fp16
+//! GEMMs and convolutions are slow; there autocast computes them in fp32 on the rounded inputs
+//! and rounds the outputs once, as the Apex path does (`CpuKernels::Auto`).
 mod common;
 
 use anyhow::{bail, Result};
