@@ -16,10 +16,9 @@
 //! `--eval-every` steps, the arguments) into `--out` (default `runs/fashion_mnist/`).
 //!
 //! ```text
-//! cargo run --release --example fashion_mnist                      # default run, all levels
+//! cargo run --release --example fashion_mnist                      # O0-O3, autocast fp16 and bf16
 //! cargo run --release --example fashion_mnist -- --levels O0,O2    # a selection
-//! cargo run --release --example fashion_mnist -- --levels O0,O1,O2,O3,autocast
-//! cargo run --release --example fashion_mnist -- --levels O0,O2,autocast-fp16,autocast-bf16
+//! cargo run --release --example fashion_mnist -- --levels O0,autocast  # the device's default type
 //! cargo run --release --example fashion_mnist -- --train-size 0 --epochs 5   # full data set
 //! cargo run --release --example fashion_mnist -- --device cuda     # on the first GPU
 //! ```

@@ -94,7 +94,8 @@ class CastKernel final : public c10::OperatorKernel {
       return;
     }
     if (policy == nullptr || policy->torch_autocast) {
-      // No tch-amp policy on this thread: behave exactly as libtorch would.
+      // No cast policy on this thread (none, or torch.amp's autocast and an op it does not
+      // emulate): behave exactly as libtorch would.
       if (native_.has_value()) {
         native_->callBoxed(op, ks, stack);
       } else {

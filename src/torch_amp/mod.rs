@@ -17,6 +17,11 @@
 //! tch-amp's [`crate::AmpOptimizer`] on fp32 parameters (its built-in rules or a user's
 //! [`crate::UpdateRule`]), or a type of your own.
 //!
+//! On CUDA, and on CPUs with fast units for the type, autocast runs libtorch's kernels, bit for
+//! bit torch.autocast's. Elsewhere on the CPU it emulates the GEMMs and convolutions in fp32 as
+//! the Apex path does ([`Autocast::cpu_kernels`]; [`crate::CpuKernels::Native`] keeps
+//! libtorch's).
+//!
 //! Autocast and the Apex path's O1 policy both drive libtorch's autocast state: on one thread
 //! only one of them may be active at a time ([`TorchAmpError::AutocastConflict`]).
 pub(crate) mod autocast;
