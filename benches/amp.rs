@@ -410,6 +410,16 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
+/// " (native)" / " (emulated, Auto's choice)" ...: how a CPU row's `kind` GEMMs run; "" on CUDA.
+fn kernels_note(kind: Kind, kernels: CpuKernels, cuda: bool) -> String {
+    if cuda {
+        return String::new();
+    }
+    let auto = CpuFeatures::detect().auto_choice(kind) == kernels;
+    let which = if kernels == CpuKernels::Native { "native" } else { "emulated" };
+    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
+}
+
 impl Config {
     fn label(&self, cuda: bool) -> String {
         match self {
@@ -417,24 +427,10 @@ impl Config {
             Config::Loop { tf32: true } => "TF32 hand-written tch loop".into(),
             Config::Amp { level, dtype: None, .. } => format!("tch-amp {level}"),
             Config::Amp { level, dtype: Some(k), kernels } => {
-                let how = if cuda {
-                    String::new()
-                } else {
-                    let auto = CpuFeatures::detect().auto_choice(*k) == *kernels;
-                    let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
-                    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
-                };
-                format!("tch-amp {level} {}{how}", dtype_name(*k))
+                format!("tch-amp {level} {}{}", dtype_name(*k), kernels_note(*k, *kernels, cuda))
             }
             Config::Autocast { dtype, kernels } => {
-                let how = if cuda {
-                    String::new()
-                } else {
-                    let auto = CpuFeatures::detect().auto_choice(*dtype) == *kernels;
-                    let which = if *kernels == CpuKernels::Native { "native" } else { "emulated" };
-                    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
-                };
-                format!("tch-amp autocast {} + GradScaler{how}", dtype_name(*dtype))
+                format!("tch-amp autocast {} + GradScaler{}", dtype_name(*dtype), kernels_note(*dtype, *kernels, cuda))
             }
             Config::Torch("fp32") => "PyTorch fp32".into(),
             Config::Torch("tf32") => "PyTorch TF32".into(),

@@ -177,11 +177,11 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
       any_category = true;
     }
   }
-  if (torch_autocast) {
-    // Composites run libtorch's own autocast kernels, which exclude the Autocast keys inside.
-  } else if (any_emulated && !any_category) {
+  if (any_emulated && !any_category) {
     policy->emulation_only = true;
-  } else if (any_emulated) {
+  } else if (any_emulated && !torch_autocast) {
+    // The inner policy of a cast op's internals. Torch autocast needs none: its composites run
+    // libtorch's own kernels, which exclude the Autocast keys inside.
     auto inner = std::make_shared<Policy>();
     for (int dev = 0; dev < kDevices; ++dev) inner->category[dev].assign(count, 0);
     inner->emulate = policy->emulate;
