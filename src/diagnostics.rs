@@ -29,6 +29,22 @@ pub fn cast_cache_len() -> Result<usize> {
     crate::cast::cast_cache_len()
 }
 
+/// How many ops the calling thread has run through the CPU emulation (computed in fp32 on the
+/// 16-bit inputs, outputs rounded once) with inputs of `kind` (`Half` or `BFloat16`; 0 for any
+/// other kind) since the thread started. Native kernels and CUDA ops are not counted; compare two
+/// readings to see whether a region was emulated.
+///
+/// # Errors
+/// [`AmpError::Torch`](crate::AmpError::Torch) if the engine cannot be queried.
+pub fn emulated_op_count(kind: tch::Kind) -> Result<u64> {
+    let (half, bfloat16) = crate::sys::cast::emulated_count()?;
+    Ok(match kind {
+        tch::Kind::Half => half,
+        tch::Kind::BFloat16 => bfloat16,
+        _ => 0,
+    })
+}
+
 /// The aten ops libtorch itself registers at the Autocast key of `device`'s type (captured before
 /// tch-amp's kernels), as `"name"` or `"name.overload"`, sorted.
 ///

@@ -289,6 +289,14 @@ char* tch_amp_cast_cache_clear() { TCH_AMP_PROTECT(cache_clear()) }
 // Number of entries in the calling thread's weight-cast cache.
 char* tch_amp_cast_cache_len(size_t* len) { TCH_AMP_PROTECT(*len = cache_len()) }
 
+// How many ops the calling thread has emulated in fp32 with fp16 / bf16 inputs.
+char* tch_amp_cast_emulated_count(uint64_t* half, uint64_t* bfloat16) {
+  TCH_AMP_PROTECT({
+    *half = emulated_count(at::kHalf);
+    *bfloat16 = emulated_count(at::kBFloat16);
+  })
+}
+
 // Takes the calling thread's last refusal: *code 0 when there is none; otherwise *op and
 // *message are strdup'd strings the caller frees with tch_amp_free_error.
 char* tch_amp_cast_take_refusal(int* code, int* dtype, char** op, char** message) {

@@ -16,6 +16,8 @@ namespace tch_amp::cast {
 namespace {
 
 thread_local Refusal tls_refusal;
+// Ops this thread ran through the CPU emulation, per 16-bit type: [0] fp16, [1] bf16.
+thread_local uint64_t tls_emulated[2] = {0, 0};
 
 // Records the refusal for this thread, then throws it as a c10::Error with `message`.
 [[noreturn]] void refuse(RefusalCode code, const std::string& op, at::ScalarType dtype,
@@ -312,6 +314,7 @@ class CastKernel final : public c10::OperatorKernel {
     map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
     op.redispatchBoxed(below, stack);
     round_outputs(op, stack, *low);
+    ++tls_emulated[*low == at::kHalf ? 0 : 1];
   }
 
   size_t id_;
@@ -327,5 +330,7 @@ torch::CppFunction make_cast_kernel(size_t id, int dev, bool inplace, std::optio
 }
 
 Refusal take_refusal() { return std::exchange(tls_refusal, Refusal{}); }
+
+uint64_t emulated_count(at::ScalarType t) { return tls_emulated[t == at::kHalf ? 0 : 1]; }
 
 }  // namespace tch_amp::cast

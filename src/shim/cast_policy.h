@@ -87,6 +87,9 @@ struct Refusal {
 };
 // Returns the calling thread's last refusal and clears it.
 Refusal take_refusal();
+// How many ops the calling thread has run through the CPU emulation with inputs of `t` (fp16 or
+// bf16) since it started.
+uint64_t emulated_count(at::ScalarType t);
 
 // ---- cast_cache.cpp ---------------------------------------------------------------------------
 inline bool is_low(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }

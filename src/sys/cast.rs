@@ -52,6 +52,7 @@ extern "C" {
     fn tch_amp_cast_policy_active(active: *mut c_int) -> *mut c_char;
     fn tch_amp_cast_cache_clear() -> *mut c_char;
     fn tch_amp_cast_cache_len(len: *mut usize) -> *mut c_char;
+    fn tch_amp_cast_emulated_count(half: *mut u64, bfloat16: *mut u64) -> *mut c_char;
     fn tch_amp_cast_take_refusal(
         code: *mut c_int,
         dtype: *mut c_int,
@@ -257,6 +258,14 @@ pub(crate) fn cache_len() -> Result<usize> {
     // SAFETY: an out-pointer to a local.
     check(unsafe { tch_amp_cast_cache_len(&mut len) }, "cast_cache_len")?;
     Ok(len)
+}
+
+/// Ops the calling thread has run through the CPU emulation: (fp16 inputs, bf16 inputs).
+pub(crate) fn emulated_count() -> Result<(u64, u64)> {
+    let (mut half, mut bfloat16) = (0u64, 0u64);
+    // SAFETY: out-pointers to locals.
+    check(unsafe { tch_amp_cast_emulated_count(&mut half, &mut bfloat16) }, "cast_emulated_count")?;
+    Ok((half, bfloat16))
 }
 
 /// Why the cast kernel refused an op (`RefusalCode` in `cast_policy.h`).

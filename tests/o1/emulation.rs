@@ -1,7 +1,8 @@
 //! CPU low-precision emulation's numerical contract: an emulated fp16/bf16 GEMM or convolution
 //! equals the fp32 op on the (already rounded) inputs, rounded once to the low dtype, exactly;
-//! it is within one ulp of libtorch's native fp16 kernel elementwise; backward has the same
-//! rounding points. Small sizes: native fp16 matmul is 50-170x slower than fp32 on this CPU.
+//! it is within one ulp of libtorch's native fp16 kernel elementwise (any kernel accumulating in
+//! fp32 is); backward has the same rounding points. Small sizes: on CPUs without fp16 units
+//! native fp16 GEMMs run generic loops many times slower than fp32.
 
 use crate::common::*;
 use tch::nn::{self, Module};
@@ -110,21 +111,31 @@ fn emulated_ops_equal_fp32_compute_of_the_rounded_inputs_rounded() {
     for kind in [Kind::Half, Kind::BFloat16] {
         for (name, inputs, op) in cases() {
             let low: Vec<Tensor> = inputs.iter().map(|t| t.to_kind(kind)).collect();
+            let before = tch_amp::diagnostics::emulated_op_count(kind).unwrap();
             let emulated = handle.run(Device::Cpu, || op(&low)).unwrap();
+            let count = tch_amp::diagnostics::emulated_op_count(kind).unwrap() - before;
+            assert!(count >= 1, "{name} {kind:?}: the emulation did not run");
             let expected = reference(kind, &low.iter().collect::<Vec<_>>(), &*op);
             assert_bitwise_eq(&emulated, &expected, &format!("{name} {kind:?}"));
             let native = op(&low);
+            let abs_terms = op(&low.iter().map(|t| t.to_kind(Kind::Double).abs()).collect::<Vec<_>>());
             if matches!(name, "addr" | "conv_transpose2d") {
-                // libtorch's native CPU addr and conv_transpose2d round intermediates (the outer
-                // product; the columns before col2im) in low precision, so they can be several
-                // ulps from the emulation, which rounds once: check it is never less accurate.
+                // What libtorch's native addr and conv_transpose2d do depends on the CPU: oneDNN's
+                // kernels (bf16 units) accumulate in fp32, the generic ones round intermediates
+                // (the outer product; the columns before col2im) in low precision, several ulps
+                // from the emulation. Either way the emulation is within one ulp (up to fp32
+                // order) of native, or at least as accurate.
                 let exact = op(&low.iter().map(|t| t.to_kind(Kind::Double)).collect::<Vec<_>>());
                 let err = |t: &Tensor| f64::try_from((t.to_kind(Kind::Double) - &exact).abs().max()).unwrap();
                 let (emulated_err, native_err) = (err(&emulated), err(&native));
-                assert!(emulated_err <= native_err * 1.0001, "{name} {kind:?}: {emulated_err} vs native {native_err}");
+                if emulated_err <= native_err * 1.0001 {
+                    eprintln!("{name} {kind:?}: native max error {native_err:e}, emulated {emulated_err:e}");
+                } else {
+                    eprintln!("{name} {kind:?}: native more accurate here; checking it accumulates in fp32");
+                    assert_within_one_ulp_up_to_fp32_order(&emulated, &native, &abs_terms, &format!("{name} {kind:?}"));
+                }
             } else {
                 // The native kernel accumulates in fp32 too, in another order.
-                let abs_terms = op(&low.iter().map(|t| t.to_kind(Kind::Double).abs()).collect::<Vec<_>>());
                 assert_within_one_ulp_up_to_fp32_order(&emulated, &native, &abs_terms, &format!("{name} {kind:?}"));
             }
         }

@@ -59,11 +59,6 @@ pub fn torch_reference(body: &str, arg: &str) -> BTreeMap<String, Tensor> {
         .collect()
 }
 
-/// Whether two references differ in any row (same keys).
-pub fn differs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> bool {
-    a.iter().any(|(k, v)| !bits_equal(v, &b[k]))
-}
-
 /// The Rust side's rows.
 #[derive(Default)]
 pub struct Rows(pub BTreeMap<String, Vec<Tensor>>);
