@@ -35,7 +35,7 @@ use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
 use tch_amp::diagnostics;
-use tch_amp::torch_amp::Autocast;
+use tch_amp::Autocast;
 use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, OptimizerConfig};
 
 #[allow(dead_code)]

@@ -7,7 +7,7 @@
 //! for this CPU), the peak memory of one training step, bytes of training state (weights +
 //! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
 //! The rows `autocast-fp16` and `autocast-bf16` are PyTorch's own recipe through tch-amp: fp32
-//! weights, the forward under `tch_amp::torch_amp::Autocast` in that type and a `GradScaler`
+//! weights, the forward under `tch_amp::Autocast` in that type and a `GradScaler`
 //! (`autocast` takes torch.autocast's default type: bf16 on CPU, fp16 on CUDA).
 //!
 //! Writes `curves.png` (six panels: loss per level, each level's loss minus O0's, the loss
@@ -55,7 +55,7 @@ use clap::Parser;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_amp::scaling::ScaleChange;
-use tch_amp::torch_amp::Autocast;
+use tch_amp::Autocast;
 use tch_amp::{initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, StepOutcome};
 
 use common::cli;

@@ -9,7 +9,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, TchError, Tensor};
 
 use crate::cast::disable::without_casts;
-use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, CpuFeatures, PolicyHandle};
+use crate::cast::{clear_cast_cache, install_policy, CastPolicy, CpuFeatures, PolicyHandle};
 use crate::config::{AmpConfig, LossScale, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
@@ -18,6 +18,7 @@ use crate::optim::{
     UpdateRule,
 };
 use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::AutocastScope;
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -57,7 +58,7 @@ impl Plan {
 /// the emulation-only policy. Guards drop before the handle (field order).
 #[derive(Debug)]
 struct CastRuntime {
-    _active: Vec<ActivePolicyGuard>,
+    _active: Vec<AutocastScope>,
     _handle: PolicyHandle,
 }
 
@@ -631,7 +632,7 @@ fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
     let device = loss.device();
     if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
         let problem = format!("is on {device:?} but an optimizer's parameters are on {params:?}: compute it there");
-        return Err(AmpError::Usage(UsageError::BadLoss { problem }));
+        return Err(AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem }));
     }
     Ok(())
 }

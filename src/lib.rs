@@ -62,7 +62,8 @@
 //!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
 //!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
 //!   [`CpuKernels`], [`AmpError`], [`Result`]; PyTorch's own mixed precision: [`GradScaler`],
-//!   [`autocast`] / [`AutocastScope`].
+//!   [`Autocast`] / [`autocast`] / [`AutocastScope`] (the one autocast guard, also under Apex's
+//!   O1 policy) and [`fp32_region`].
 //! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
 //!   [`config::ParseOptLevelError`].
 //! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
@@ -76,7 +77,7 @@
 //! - [`checkpoint`] (`src/checkpoint/`): the partial loads [`checkpoint::load_model_weights`]
 //!   and [`checkpoint::load_optimizer_state`].
 //! - [`cast`] (`src/cast/`): the cast engine for custom set-ups, [`cast::CastSettings`],
-//!   [`cast::CpuFeatures`], libtorch's own autocast ([`cast::AutocastGuard`]).
+//!   [`cast::CpuFeatures`], [`cast::AutocastState`].
 //! - [`fp16_utils`] (`src/fp16_utils/`): Apex's `apex.fp16_utils` (`FP16_Optimizer`,
 //!   `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
 //! - [`torch_io`] (`src/torch_io/`): reads what `torch.save` writes into a
@@ -87,8 +88,7 @@
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
 //! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
-//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: autocast's options
-//!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
+//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: the scaler's ([`torch_amp::GradScalerOptions`],
 //!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
 //!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
 //! - [`error`] (`src/error/`): the groups of [`AmpError`], one per thing a caller can do
@@ -136,9 +136,11 @@ pub mod torch_checkpoint;
 pub mod torch_io;
 
 pub use amp::{initialize, Amp};
+pub use cast::autocast::{autocast, fp32_region, Autocast};
 pub use cast::cpu::CpuKernels;
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
+pub use cast::scope::AutocastScope;
 pub use checkpoint::file::{load_checkpoint, save_checkpoint};
 pub use config::builder::AmpConfig;
 pub use config::loss_scale::LossScale;
@@ -152,7 +154,6 @@ pub use optim::groups::ParamGroup;
 pub use optim::rule::UpdateRule;
 pub use optim::rules::OptimizerConfig;
 pub use scaling::scale_loss::ScaleLossOptions;
-pub use torch_amp::autocast::{autocast, AutocastScope};
 pub use torch_amp::grad_scaler::GradScaler;
 pub use torch_checkpoint::file::{load_torch_checkpoint, save_torch_checkpoint};
 

@@ -9,18 +9,16 @@
 //! libtorch's autocast on for one device type, which is what routes that thread's ops through
 //! the kernels. Threads without an active policy keep libtorch's own behaviour, exactly.
 use crate::error::{ConfigError, UsageError};
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use once_cell::sync::OnceCell;
 use tch::{Device, Kind};
 
-use super::autocast::AutocastGuard;
 use super::emulation::emulated_ops;
 use super::policy::CastPolicy;
+use super::scope::{torch_autocast_active, AutocastScope, Owner, PolicyChange};
 use super::settings::CastSettings;
 use crate::error::{AmpError, Result};
-pub(crate) use crate::sys::cast::SavedPolicy;
 use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr};
 
 /// One installed policy; dropping the last reference releases it.
@@ -32,7 +30,7 @@ struct Installed {
 }
 
 /// An installed cast policy. Clones share it; it is released when the last clone and the last
-/// [`ActivePolicyGuard`] are gone (tch-amp's kernels stay registered).
+/// [`AutocastScope`] activating it are gone (tch-amp's kernels stay registered).
 #[must_use = "the policy is released as soon as the handle is dropped"]
 #[derive(Debug, Clone)]
 pub struct PolicyHandle {
@@ -138,7 +136,7 @@ fn install_entries(
 /// torch.amp's autocast with `kind`'s (`Half` or `BFloat16`) CPU GEMMs and convolutions
 /// emulated: libtorch's own autocast kernels for every other op. Installed once per type and
 /// process.
-fn torch_autocast_policy(kind: Kind) -> Result<&'static PolicyPtr> {
+pub(crate) fn torch_autocast_policy(kind: Kind) -> Result<&'static PolicyPtr> {
     static HALF: OnceCell<PolicyPtr> = OnceCell::new();
     static BFLOAT16: OnceCell<PolicyPtr> = OnceCell::new();
     let (cell, mask) = match kind {
@@ -156,15 +154,6 @@ fn torch_autocast_policy(kind: Kind) -> Result<&'static PolicyPtr> {
     })
 }
 
-/// Makes torch.amp autocast's CPU emulation of `kind` the calling thread's policy (`None`: no
-/// policy, libtorch's own kernels) until the returned state is restored.
-pub(crate) fn activate_torch_autocast(emulate: Option<Kind>) -> Result<SavedPolicy> {
-    match emulate {
-        Some(kind) => engine::activate(Some(torch_autocast_policy(kind)?)),
-        None => engine::activate(None),
-    }
-}
-
 impl PolicyHandle {
     /// Makes this policy the calling thread's policy for `device`'s type (CPU or CUDA) until the
     /// guard is dropped: libtorch's autocast is turned on for that device type with
@@ -179,20 +168,25 @@ impl PolicyHandle {
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a device other than CPU/CUDA;
     /// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses;
-    /// [`UsageError::TorchAutocastActive`] while a torch.amp autocast scope
+    /// [`UsageError::AutocastConflict`] while a torch.amp autocast scope
     /// ([`crate::AutocastScope`]) is alive on this thread.
-    pub fn activate(&self, device: Device) -> Result<ActivePolicyGuard> {
-        if super::autocast::torch_autocast_active() {
-            return Err(AmpError::Usage(UsageError::TorchAutocastActive));
+    pub fn activate(&self, device: Device) -> Result<AutocastScope> {
+        if torch_autocast_active() {
+            return Err(AmpError::Usage(UsageError::AutocastConflict {
+                entering: "tch-amp's Apex cast policy",
+                active: "torch.amp autocast",
+            }));
         }
-        let autocast = AutocastGuard::new(device, true, self.inner.settings.low_precision_dtype)?;
-        let saved = engine::activate(Some(&self.inner.ptr))?;
-        Ok(ActivePolicyGuard {
-            saved: Some(saved),
-            _autocast: autocast,
-            _installed: Arc::clone(&self.inner),
-            _not_send: PhantomData,
-        })
+        let keep: Arc<Installed> = Arc::clone(&self.inner);
+        AutocastScope::enter(
+            device,
+            true,
+            self.inner.settings.low_precision_dtype,
+            None,
+            PolicyChange::Activate(&self.inner.ptr),
+            Owner::Engine,
+            Some(keep),
+        )
     }
 
     /// Runs `f` with this policy active on the calling thread for `device`'s type (see
@@ -213,28 +207,6 @@ impl PolicyHandle {
     /// The settings it was installed with.
     pub fn settings(&self) -> CastSettings {
         self.inner.settings
-    }
-}
-
-/// A policy active on the current thread (see [`PolicyHandle::activate`]). Not `Send`:
-/// activation is per thread, like libtorch's autocast state.
-#[must_use = "the policy is deactivated as soon as the guard is dropped"]
-#[derive(Debug)]
-pub struct ActivePolicyGuard {
-    saved: Option<SavedPolicy>,
-    // Dropped after `saved` is restored (in `drop`): restores libtorch's autocast state.
-    _autocast: AutocastGuard,
-    _installed: Arc<Installed>,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl Drop for ActivePolicyGuard {
-    fn drop(&mut self) {
-        if let Some(saved) = self.saved.take() {
-            if saved.restore().unwrap_or(false) {
-                let _ = super::cache::clear_cast_cache();
-            }
-        }
     }
 }
 

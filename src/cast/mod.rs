@@ -12,11 +12,11 @@
 //! Most programs never touch this module: [`crate::Amp`] installs and activates what its opt level
 //! needs. It is public for custom set-ups:
 //! - [`install_policy`] builds a policy and returns a [`PolicyHandle`]; [`PolicyHandle::activate`]
-//!   makes it the current thread's and turns autocast on for one device type; other threads are
+//!   makes it the current thread's and turns autocast on for one device type, in the same guard
+//!   torch.amp's [`crate::Autocast`] enters ([`crate::AutocastScope`]); other threads are
 //!   untouched (plain autocast there behaves exactly as in libtorch).
 //! - [`crate::disable_casts`] / [`crate::without_casts`] turn casts off for a region.
 //! - [`clear_cast_cache`] empties the weight-cast cache (the rules are in `cache.rs`).
-//! - [`AutocastGuard`] / [`autocast`] drive libtorch's own autocast for CPU and CUDA.
 //! - [`classify_torch_error`] recovers the engine's typed refusals from tch errors.
 //!
 //! # Differences from Apex, and why
@@ -42,7 +42,7 @@
 //! - Errors raised inside the dispatcher reach the caller as tch errors; [`classify_torch_error`]
 //!   turns them into [`OpRefused::BannedOp`](crate::error::OpRefused::BannedOp) and
 //!   [`OpRefused::InPlaceFp32OnHalf`](crate::error::OpRefused::InPlaceFp32OnHalf).
-mod autocast;
+pub(crate) mod autocast;
 mod cache;
 pub(crate) mod cpu;
 pub(crate) mod disable;
@@ -50,20 +50,18 @@ pub(crate) mod emulation;
 mod engine;
 mod error;
 pub(crate) mod policy;
+pub(crate) mod scope;
 pub(crate) mod settings;
 
-pub(crate) use autocast::count_torch_autocast;
-pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
+pub(crate) use cpu::CpuKernels;
 pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures};
-pub(crate) use cpu::{resolve as resolve_cpu_kernels, CpuKernels};
 pub use disable::DisableCastsGuard;
-pub(crate) use engine::{
-    activate_torch_autocast, kernels_registered, libtorch_autocast_ops, policy_active, SavedPolicy,
-};
-pub use engine::{install_policy, ActivePolicyGuard, PolicyHandle};
+pub use engine::{install_policy, PolicyHandle};
+pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};
 pub use error::classify_torch_error;
 pub(crate) use policy::CastPolicy;
 pub use policy::{Cast, CastLists, UserCasts};
+pub use scope::AutocastState;
 pub use settings::CastSettings;

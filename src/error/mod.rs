@@ -151,17 +151,6 @@ pub enum UsageError {
         /// The order to use.
         remedy: &'static str,
     },
-    /// Under O2, the model's fp16 gradients that `step` unscales into the fp32 master
-    /// gradients changed after `scale_loss` returned: they are still scaled then, so clipping
-    /// them (the usual tch habit, `clip_grad_norm` over `vs.trainable_variables()`) or any
-    /// other change would make `step` use wrong values. Clip with
-    /// [`crate::AmpOptimizer::clip_grad_norm`], which clips the fp32 master gradients (Apex's
-    /// `clip_grad_norm_(amp.master_params(optimizer))`).
-    #[error("the fp16 gradients of {params:?} changed between scale_loss and step(): clip with opt.clip_grad_norm")]
-    ModelGradsChanged {
-        /// The parameters (at most five).
-        params: Vec<String>,
-    },
     /// `step()` found gradients on low-precision model variables whose fp32 masters have none:
     /// a backward pass ran outside `scale_loss`, so the masters (which the optimizer steps)
     /// never saw it. Run backward inside `amp.scale_loss(&loss, &mut [&mut opt], |s|
@@ -178,14 +167,29 @@ pub enum UsageError {
     /// after an overflow lands here).
     #[error("step() found no gradients: run scale_loss (the backward pass) once before each step()")]
     NoGradients,
-    /// The loss given to `scale_loss` cannot be back-propagated as it is: it is not a single
-    /// value (reduce it with `mean()` or `sum()`), it does not require grad (compute it from
-    /// the model's trainable variables, outside `no_grad`, without `detach`), or it lives on
-    /// another device than an optimizer's parameters.
-    #[error("the loss given to scale_loss {problem}")]
+    /// The loss given to `scale_loss` (or `GradScaler::scale`) cannot be back-propagated as it
+    /// is: it is not a single value (reduce it with `mean()` or `sum()`), it does not require
+    /// grad (compute it from the model's trainable variables, outside `no_grad`, without
+    /// `detach`), it lives on another device than an optimizer's parameters, or it is not
+    /// floating point (a scaled integer loss is a bug; torch would promote it to fp32).
+    #[error("the loss given to {call} {problem}")]
     BadLoss {
+        /// The call: `"scale_loss"` or `"GradScaler::scale"`.
+        call: &'static str,
         /// What is wrong with it, and what to do.
         problem: String,
+    },
+    /// A [`crate::GradScaler`] was asked to unscale fp16 gradients (torch's "Attempting to
+    /// unscale FP16 gradients."): it unscales fp32 (or bf16) gradients only. Keep the
+    /// parameters in fp32 under autocast (it casts them per op), or use the Apex path's O2
+    /// for fp32 master weights.
+    #[error(
+        "Attempting to unscale FP16 gradients (parameter {index} of the optimizer): keep the parameters in fp32 \
+         under autocast, or use tch_amp::initialize with O2 for fp32 master weights"
+    )]
+    UnscaleFp16Gradients {
+        /// The parameter's position in the optimizer's parameters.
+        index: usize,
     },
     /// `scale_loss` was given no optimizer. Apex accepts `[]` and leaves the gradients scaled
     /// (then stepped with the scale in them); tch-amp refuses. Pass every optimizer whose
@@ -204,12 +208,17 @@ pub enum UsageError {
     /// The same optimizer was given twice to one `scale_loss` call.
     #[error("the same optimizer was given twice to scale_loss: pass each once")]
     DuplicateOptimizer,
-    /// A tch-amp cast policy (Apex's O1, or the CPU emulation of O2/O3) was activated on a
-    /// thread where a torch.amp autocast scope ([`crate::AutocastScope`]) is alive. Both drive
-    /// libtorch's autocast state; only one may be active on a thread at a time: drop the
-    /// `AutocastScope` first, or run them on different threads.
-    #[error("an Apex cast policy cannot start while torch.amp autocast is active on this thread")]
-    TorchAutocastActive,
+    /// torch.amp's autocast ([`crate::Autocast`]) was entered while tch-amp's Apex cast policy
+    /// (O1, or the CPU emulation under O2/O3) is active on this thread, or the other way round.
+    /// Both drive libtorch's autocast state, and mixing them would cast by the wrong lists:
+    /// drop the other's guard (or `Amp`) first, or run them on different threads.
+    #[error("{entering} cannot start on this thread while {active} is active: drop the other first")]
+    AutocastConflict {
+        /// What was being started.
+        entering: &'static str,
+        /// What is already active.
+        active: &'static str,
+    },
     /// Model and master parameter lists of `fp16_utils` that do not belong together.
     #[error("fp16_utils: {message}")]
     ParamListMismatch {
@@ -363,5 +372,5 @@ pub(crate) fn check_loss_value(loss: &tch::Tensor) -> Result<()> {
     } else {
         return Ok(());
     };
-    Err(AmpError::Usage(UsageError::BadLoss { problem }))
+    Err(AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem }))
 }

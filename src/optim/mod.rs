@@ -19,7 +19,7 @@ pub use amp_optimizer::MemoryReport;
 pub(crate) use amp_optimizer::{AmpOptimizer, StepOutcome};
 pub(crate) use amp_optimizer::{CollapseInfo, Layout, OptimizerSetup};
 pub use apex::NovoGradNorm;
-pub(crate) use grads::check_clip_args;
+pub(crate) use grads::{clip_grads, NonFiniteNorm};
 pub use grads::{non_finite_check_, unscale_};
 pub(crate) use groups::resolve;
 pub(crate) use groups::ParamGroup;

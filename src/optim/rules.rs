@@ -441,10 +441,6 @@ impl UpdateRule for BuiltinRule {
         self.config.state_spec(hyper)
     }
 
-    fn is_elementwise(&self) -> bool {
-        !matches!(self.config.algorithm, Algorithm::FusedLamb(_) | Algorithm::FusedNovoGrad(_))
-    }
-
     fn step(&self, groups: &mut [GroupView<'_>]) -> Result<()> {
         match self.config.algorithm {
             Algorithm::FusedSgd(c) => return apex::sgd_step(groups, c.wd_after_momentum),

@@ -4,7 +4,7 @@
 use tch::nn;
 use tch::Tensor;
 
-use super::error::Result;
+use crate::error::Result;
 use crate::optim::AmpOptimizer;
 
 /// An optimizer [`crate::GradScaler`] can unscale and step: torch's `optimizer.param_groups`

@@ -244,7 +244,7 @@ impl AmpOptimizer {
     /// Gradients cleared, pending skips and collapses forgotten.
     fn reset_transient(&mut self) -> Result<()> {
         self.zero_grad()?;
-        *self.stage() = Stage::Ready;
+        self.stage = Stage::Ready;
         Ok(())
     }
 
