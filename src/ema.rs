@@ -1,7 +1,9 @@
 //! An exponential moving average of the model's weights, with timm's `ModelEmaV2` semantics
 //! (`ema = decay * ema + (1 - decay) * weight` for every entry of the state dict, after each
 //! optimizer step), kept in fp32 over the fp32 masters under O2 (so that the average does not
-//! lose the bits an fp16 model would), and over the variables themselves otherwise.
+//! lose the bits an fp16 model would), and over the variables themselves otherwise. A torch.amp
+//! loop (fp32 parameters, any optimizer) passes no optimizers and the [`crate::StepOutcome`] of
+//! [`crate::GradScaler::step`].
 //!
 //! ```
 //! use tch::nn::{self, ModuleT, VarStore};

@@ -16,6 +16,43 @@ fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -
     AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
+/// The scalers' option checks (Apex's, torch's GradScaler, apex.fp16_utils'): a scale that is
+/// finite and positive.
+pub(crate) fn positive_scale(option: &'static str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "a finite number > 0"))
+    }
+}
+
+/// A growth factor: finite and above 1.
+pub(crate) fn growth_factor(option: &'static str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "a finite number > 1"))
+    }
+}
+
+/// A backoff factor: in (0, 1).
+pub(crate) fn backoff_factor(v: f64) -> Result<f64> {
+    if v > 0.0 && v < 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid("backoff_factor", v, "a number in (0, 1)"))
+    }
+}
+
+/// A growth interval (clean steps before the scale grows): at least 1.
+pub(crate) fn growth_interval(option: &'static str, v: i64) -> Result<i64> {
+    if v >= 1 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "an integer >= 1"))
+    }
+}
+
 /// A scale (or floor, or cap) within [`crate::scaling::LossScaler::SCALE_RANGE`].
 fn in_scale_range(option: &'static str, v: f64) -> Result<f64> {
     let (lo, hi) = consts::SCALE_RANGE;

@@ -579,10 +579,11 @@ impl Fp16Optimizer {
         super::clip_grad_norm(&self.master_params(), max_norm, norm_type)
     }
 
-    /// Apex's `step()`: after an overflow nothing happens (returns `false`; Apex printed "Gradient
-    /// overflow.  Skipping step, reducing loss scale to ..." and returned None); otherwise the
-    /// wrapped optimizer updates the masters and fp32 variables from their gradients, each master
-    /// is rounded into its fp16 variable, and `true` is returned. The master gradients are released
+    /// Apex's `step()`: after an overflow nothing happens (returns [`StepOutcome::Skipped`] with
+    /// the reduced scale; Apex printed "Gradient overflow.  Skipping step, reducing loss scale to
+    /// ..." and returned None; [`Self::overflow`] is Apex's flag); otherwise the wrapped optimizer
+    /// updates the masters and fp32 variables from their gradients, each master is rounded into
+    /// its fp16 variable, and [`StepOutcome::Stepped`] is returned. The master gradients are released
     /// after the update (Apex kept them until `zero_grad`).
     ///
     /// # Errors
@@ -593,7 +594,7 @@ impl Fp16Optimizer {
     /// - as [`AmpOptimizer::step`].
     ///
     /// Nothing changes on these errors.
-    pub fn step(&mut self) -> Result<bool> {
+    pub fn step(&mut self) -> Result<StepOutcome> {
         if self.pending_update {
             return Err(AmpError::Usage(UsageError::CallOrder {
                 call: "step()",
@@ -602,24 +603,22 @@ impl Fp16Optimizer {
             }));
         }
         if self.overflow {
+            let loss_scale = self.scaler.loss_scale();
             if self.verbose {
-                log::warn!("Gradient overflow.  Skipping step, reducing loss scale to {}", self.scaler.loss_scale());
+                log::warn!("Gradient overflow.  Skipping step, reducing loss scale to {loss_scale}");
             }
-            return Ok(false);
+            return Ok(StepOutcome::Skipped { loss_id: 0, loss_scale });
         }
         if !self.fresh {
             return Err(AmpError::Usage(UsageError::NoGradients));
         }
         // The fp16 gradients were already unscaled into the masters; they stay in place, as
         // Apex leaves them.
-        let result = self.opt.step_keeping_model_grads();
-        match result? {
-            StepOutcome::Stepped => {
-                self.fresh = false;
-                Ok(true)
-            }
-            StepOutcome::Skipped { .. } => Ok(false),
+        let outcome = self.opt.step_keeping_model_grads()?;
+        if outcome.stepped() {
+            self.fresh = false;
         }
+        Ok(outcome)
     }
 
     /// Apex's `state_dict()`: the scaler, the flags, the wrapped optimizer's record and copies

@@ -6,6 +6,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 use super::optimizer::ScalerOptimizer;
+use crate::config::rules::{backoff_factor as check_backoff, positive_scale as check_scale};
 use crate::error::{mismatch, AmpError, ConfigError, Result, UsageError};
 use crate::optim::StepOutcome;
 use crate::sys;
@@ -94,36 +95,12 @@ fn not_initialized(call: &'static str) -> AmpError {
     order(call, "before the scale is initialized", "scale the loss with scaler.scale(&loss) earlier in the iteration")
 }
 
-fn check_scale(option: &'static str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(invalid(option, v, "a finite number > 0"))
-    }
-}
-
 fn check_growth(v: f64) -> Result<f64> {
-    if v.is_finite() && v > 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid("growth_factor", v, "a finite number > 1"))
-    }
-}
-
-fn check_backoff(v: f64) -> Result<f64> {
-    if v > 0.0 && v < 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid("backoff_factor", v, "a number in (0, 1)"))
-    }
+    crate::config::rules::growth_factor("growth_factor", v)
 }
 
 fn check_interval(v: i64) -> Result<i64> {
-    if v >= 1 {
-        Ok(v)
-    } else {
-        Err(invalid("growth_interval", v, "an integer >= 1"))
-    }
+    crate::config::rules::growth_interval("growth_interval", v)
 }
 
 fn check_device(device: Device) -> Result<Device> {
