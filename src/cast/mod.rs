@@ -19,29 +19,7 @@
 //! - [`clear_cast_cache`] empties the weight-cast cache (the rules are in `cache.rs`).
 //! - [`classify_torch_error`] recovers the engine's typed refusals from tch errors.
 //!
-//! # Differences from Apex, and why
-//! - Casts happen for aten operators, not Python functions; `opt_levels/o1_apex.toml` maps each
-//!   Apex name to the aten ops tch reaches (`F.cross_entropy` is `cross_entropy_loss`, `@` is
-//!   `matmul`, `Tensor.__rsub__` is `rsub`, ...). A dispatcher policy cannot tell `F.softmax` from
-//!   `torch.softmax` (the same aten op). Composite ops that are in no list (einsum on CPU, say)
-//!   decompose below the Autocast key and their parts follow the policy, as under libtorch's
-//!   autocast; Apex left C++ composites alone but cast Python ones.
-//! - Ops libtorch's own autocast lists cast but Apex's do not (linalg_vecdot, cdist,
-//!   scaled_dot_product_attention, ...) run in their inputs' dtypes under the Apex policy, as they
-//!   did under Apex.
-//! - CPU tensors are cast too (Apex cast only CUDA tensors); fp64 tensors are never cast (Apex cast
-//!   them to fp16 on the fp16 list); promote picks the widest floating type among all inputs, fp64
-//!   included (Apex raised on anything but fp16+fp32).
-//! - The in-place rule for fp32-list ops (an error on a low-precision self) covers every op of the
-//!   fp32 list; Apex applied it to `torch.*`/`Tensor.*` functions only.
-//! - The weight-cast cache recasts a weight changed in place, is correct after `no_grad` evaluation
-//!   and supports a weight used twice in one forward.
-//! - bf16 can be the low-precision type ([`CastSettings::low_precision_dtype`]).
-//! - On CPU, fp16/bf16 GEMMs and convolutions run libtorch's native kernels where the CPU has fast
-//!   ones for the type and are emulated in fp32 elsewhere ([`crate::CpuKernels`], [`CpuFeatures`]).
-//! - Errors raised inside the dispatcher reach the caller as tch errors; [`classify_torch_error`]
-//!   turns them into [`OpRefused::BannedOp`](crate::error::OpRefused::BannedOp) and
-//!   [`OpRefused::InPlaceFp32OnHalf`](crate::error::OpRefused::InPlaceFp32OnHalf).
+//! Where the engine differs from Apex, and why: `docs/cast.md`.
 pub(crate) mod autocast;
 mod cache;
 pub(crate) mod cpu;
