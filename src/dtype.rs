@@ -10,4 +10,3 @@ pub(crate) fn is_low_precision(kind: Kind) -> bool {
 pub(crate) fn is_floating(kind: Kind) -> bool {
     matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
 }
-
