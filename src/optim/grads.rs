@@ -3,7 +3,7 @@
 use crate::error::ConfigError;
 use tch::Tensor;
 
-use crate::error::{AmpError, Result};
+use crate::error::{AmpError, Result, TorchContext};
 use crate::sys;
 
 /// Sets `t.grad` to `grad` (shares it, no copy).
@@ -80,6 +80,18 @@ pub fn non_finite_check_(grads: &[Tensor], found_inf: &Tensor) -> Result<()> {
 /// computed in fp32.
 pub(crate) fn total_norm(tensors: &[Tensor], norm_type: f64) -> Result<Tensor> {
     sys::total_norm(tensors, norm_type)
+}
+
+/// torch's clip coefficient for a total norm `total` (a 0-dim fp32 tensor): `max_norm / (total +
+/// 1e-6)` clamped to at most 1, computed as torch computes it (`(total + 1e-6).reciprocal() *
+/// max_norm`, a Python number divided by a tensor).
+pub(crate) fn clip_coef(total: &Tensor, max_norm: f64) -> Result<Tensor> {
+    total
+        .f_add_scalar(1e-6)
+        .and_then(|t| t.f_reciprocal())
+        .and_then(|t| t.f_mul_scalar(max_norm))
+        .and_then(|t| t.f_clamp_max(1.0))
+        .ctx("the clip coefficient")
 }
 
 /// The arguments of a gradient clip, checked as torch's `clip_grad_norm_` would use them: a

@@ -5,7 +5,7 @@ use tch::{Kind, Tensor};
 use super::error::Result;
 #[cfg(doc)]
 use super::error::TorchAmpError;
-use crate::optim::check_clip_args;
+use crate::optim::{check_clip_args, clip_coef};
 use crate::sys;
 
 /// torch's `clip_grad_norm_(params, max_norm, norm_type)`: the total `norm_type`-norm of the
@@ -32,7 +32,7 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resu
     }
     let _no_grad = tch::no_grad_guard();
     let total = sys::total_norm(&grads, norm_type)?;
-    let coef = total.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
+    let coef = clip_coef(&total, max_norm)?;
     for g in &grads {
         let _ = g.shallow_clone().f_mul_(&coef.f_to_device(g.device())?)?;
     }

@@ -11,9 +11,9 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::engine::Optimizer;
-use super::grads::{clear_grad, total_norm};
+use super::grads::{clear_grad, clip_coef, total_norm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
-use super::params::{copy_masters_to_model, ParamEntry};
+use super::params::{copy_masters_to_model, torch_groups, ParamEntry};
 use super::rule::{HyperParams, UpdateRule};
 use super::rules::OptimizerConfig;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
@@ -569,8 +569,12 @@ impl AmpOptimizer {
     /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
     /// most `max_norm`, and returns the total norm before clipping (PyTorch's `clip_grad_norm_`,
     /// which Apex users call on `amp.master_params(optimizer)`). Computed in fp32 even for fp16
-    /// gradients; parameters without a gradient are ignored (0 when none has one); a non-finite
-    /// norm is returned and the gradients are left unscaled. One host sync (reading the norm).
+    /// gradients, the per-parameter norms taken in torch's parameter order (the order of
+    /// `model.parameters()`, and of Apex's `amp.master_params(optimizer)`: each tch parameter
+    /// group in turn, its variables in creation order with each module's weight before its bias)
+    /// so that the total is torch's to the bit; parameters without a gradient are ignored (0 when
+    /// none has one); a non-finite norm is returned and the gradients are left unscaled. One host
+    /// sync (reading the norm).
     ///
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
@@ -579,14 +583,20 @@ impl AmpOptimizer {
         crate::optim::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
         self.make_master_grads()?;
-        let grads: Vec<Tensor> =
-            self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
+        // In torch's parameter order, the order of Apex's `amp.master_params(optimizer)`: the
+        // per-parameter norms are summed in it.
+        let grads: Vec<Tensor> = torch_groups(&self.entries)
+            .into_iter()
+            .flatten()
+            .map(|i| self.entries[i].update_target().grad())
+            .filter(Tensor::defined)
+            .collect();
         if grads.is_empty() {
             return Ok(0.0);
         }
         let total = total_norm(&grads, norm_type)?;
         let _no_grad = tch::no_grad_guard();
-        let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0).ctx("clip coefficient")?;
+        let coef = clip_coef(&total, max_norm)?;
         let coef = coef.f_where_self(&total.f_isfinite().ctx("clip")?, &coef.ones_like()).ctx("clip")?;
         for g in &grads {
             let coef = coef.f_to_kind(g.kind()).ctx("clip")?;
