@@ -73,7 +73,8 @@
 //!   (which parameters overflowed), [`scaling::AmpState`] (`amp.state_dict()`).
 //! - [`optim`] (`src/optim/`): what an [`UpdateRule`] works on ([`optim::HyperParams`],
 //!   [`optim::GroupView`], [`optim::ParamView`], [`optim::StateSpec`]), what an optimizer
-//!   saves ([`optim::OptimizerRecord`]), [`optim::MemoryReport`], [`optim::unscale_`].
+//!   saves ([`optim::OptimizerRecord`]), [`optim::MemoryReport`], [`optim::unscale_`],
+//!   [`optim::backward`] (torch's `backward(retain_graph=True)`, which tch lacks).
 //! - [`checkpoint`] (`src/checkpoint/`): the partial loads [`checkpoint::load_model_weights`]
 //!   and [`checkpoint::load_optimizer_state`].
 //! - [`cast`] (`src/cast/`): the cast engine for custom set-ups, [`cast::CastSettings`],

@@ -26,6 +26,32 @@ pub(crate) fn take_grad(t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(g))
 }
 
+/// torch's `tensor.backward(retain_graph=retain_graph)`: the gradients of `tensor` (a single
+/// value) accumulate into the leaves' `.grad`; with `retain_graph` the graph is kept for another
+/// backward through it (tch's `Tensor::backward` always frees it). For two losses of one forward
+/// inside [`crate::Amp::f_scale_loss_with`]: `|s| tch_amp::optim::backward(s, true)` for the
+/// first, as Apex's `scaled_loss.backward(retain_graph=True)`.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// # fn main() -> Result<(), tch::TchError> {
+/// let w = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let y = (&w * &w).sum(Kind::Float); // its backward needs the saved `w`
+/// tch_amp::optim::backward(&y, true)?;
+/// tch_amp::optim::backward(&y, false)?; // the graph was kept; now it is freed
+/// assert_eq!(w.grad().double_value(&[0]), 4.0); // 2w, twice
+/// assert!(tch_amp::optim::backward(&y, false).is_err());
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// libtorch's message as [`tch::TchError::Torch`] (a tensor that does not require grad, a
+/// graph already freed, ...).
+pub fn backward(tensor: &Tensor, retain_graph: bool) -> std::result::Result<(), tch::TchError> {
+    sys::backward(tensor, retain_graph)
+}
+
 /// In place `g *= inv_scale` for every tensor of `grads`, and `found_inf` (a 1-element fp32
 /// tensor on the grads' device) set to 1.0 when any element is inf or NaN: one fused pass per
 /// dtype group (libtorch's `_amp_foreach_non_finite_check_and_unscale_`), no host sync. This is

@@ -13,7 +13,8 @@ pub(crate) struct ParamEntry {
     name: String,
     model: Tensor,
     group: usize,
-    /// Position in the VarStore's creation order (model order, for diagnostics).
+    /// Position in the VarStore's creation order (model order: diagnostics and torch's parameter
+    /// order).
     order: usize,
     master: Option<Tensor>,
 }
@@ -125,6 +126,49 @@ pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bo
         .filter(|c| under_prefix(&c.name, prefixes))
         .map(|c| c.into_entry(master_weights))
         .collect()
+}
+
+/// Creation order with each module's `weight` moved right before its `bias`: tch's linear and
+/// convolution layers create the bias first, torch's modules register the weight first (tch's
+/// other layers, batch norm, layer norm, group norm and the RNNs, create theirs in torch's order).
+pub(crate) fn torch_param_order(mut names: Vec<String>) -> Vec<String> {
+    let mut i = 0;
+    while i < names.len() {
+        let module = names[i].strip_suffix("bias").filter(|m| m.is_empty() || m.ends_with('.')).map(str::to_string);
+        if let Some(m) = module {
+            let weight = format!("{m}weight");
+            if let Some(j) = names[i + 1..].iter().position(|n| *n == weight) {
+                let w = names.remove(i + 1 + j);
+                names.insert(i, w);
+                i += 1;
+            }
+        }
+        i += 1;
+    }
+    names
+}
+
+/// The indices of `entries` in torch's parameter order, one list per torch param group: one
+/// group per tch parameter group, in the order of their first parameter, each group's
+/// parameters in creation order with each module's weight before its bias
+/// ([`torch_param_order`]). With one group (no `Path::set_group`) this is the order of
+/// `model.parameters()` (and so of Apex's `amp.master_params(optimizer)`) when the Rust model
+/// creates its layers in the order the Python module registers them.
+pub(crate) fn torch_groups(entries: &[ParamEntry]) -> Vec<Vec<usize>> {
+    let mut by_creation: Vec<usize> = (0..entries.len()).collect();
+    by_creation.sort_by(|&a, &b| (entries[a].order, &entries[a].name).cmp(&(entries[b].order, &entries[b].name)));
+    let index: std::collections::HashMap<&str, usize> =
+        entries.iter().enumerate().map(|(i, e)| (e.name.as_str(), i)).collect();
+    let names = torch_param_order(by_creation.iter().map(|&i| entries[i].name.clone()).collect());
+    let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+    for name in names {
+        let i = index[name.as_str()];
+        match groups.iter_mut().find(|(g, _)| *g == entries[i].group) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((entries[i].group, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
 }
 
 /// model ← master (rounded to the model's dtype) for every entry with a master.

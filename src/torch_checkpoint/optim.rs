@@ -183,21 +183,7 @@ fn group_ids(groups: &[Node<'_>]) -> Result<Vec<Vec<i64>>> {
 /// group (no `Path::set_group`) this is `model.parameters()`'s order when the Rust model creates
 /// its layers in the order the Python module registers them.
 pub fn default_param_order(optimizer: &AmpOptimizer) -> TorchParamOrder {
-    let layout = optimizer.param_layout();
-    let mut by_creation: Vec<(usize, &str, usize)> =
-        layout.iter().zip(optimizer.param_names()).map(|(l, n)| (l.order, n, l.group)).collect();
-    by_creation.sort_by_key(|&(order, name, _)| (order, name.to_string()));
-    let group_of: HashMap<&str, usize> = by_creation.iter().map(|&(_, n, g)| (n, g)).collect();
-    let names = super::model::torch_param_order(by_creation.iter().map(|&(_, n, _)| n.to_string()).collect());
-    let mut groups: Vec<(usize, Vec<String>)> = Vec::new();
-    for name in names {
-        let g = group_of[name.as_str()];
-        match groups.iter_mut().find(|(id, _)| *id == g) {
-            Some((_, names)) => names.push(name),
-            None => groups.push((g, vec![name])),
-        }
-    }
-    groups.into_iter().map(|(_, names)| names).collect()
+    optimizer.torch_param_groups().into_iter().map(|g| g.into_iter().map(str::to_string).collect()).collect()
 }
 
 /// Checks that `order` has the file's group sizes and names each of the optimizer's

@@ -12,7 +12,7 @@ use tch::Tensor;
 use super::engine::Optimizer;
 use super::grads::{clear_grad, clip_grads, NonFiniteNorm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
-use super::params::{copy_masters_to_model, ParamEntry};
+use super::params::{copy_masters_to_model, torch_groups, ParamEntry};
 use super::rule::{HyperParams, UpdateRule};
 use super::rules::OptimizerConfig;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
@@ -530,8 +530,12 @@ impl AmpOptimizer {
     /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
     /// most `max_norm`, and returns the total norm before clipping (PyTorch's `clip_grad_norm_`,
     /// which Apex users call on `amp.master_params(optimizer)`). Computed in fp32 even for fp16
-    /// gradients; parameters without a gradient are ignored (0 when none has one); a non-finite
-    /// norm is returned and the gradients are left unscaled. One host sync (reading the norm).
+    /// gradients, the per-parameter norms taken in torch's parameter order (the order of
+    /// `model.parameters()`, and of Apex's `amp.master_params(optimizer)`: each tch parameter
+    /// group in turn, its variables in creation order with each module's weight before its bias)
+    /// so that the total is torch's to the bit; parameters without a gradient are ignored (0 when
+    /// none has one); a non-finite norm is returned and the gradients are left unscaled. One host
+    /// sync (reading the norm).
     ///
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
@@ -539,7 +543,13 @@ impl AmpOptimizer {
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
         crate::optim::grads::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
-        let params: Vec<Tensor> = self.entries.iter().map(|e| e.update_target().shallow_clone()).collect();
+        // In torch's parameter order, the order of Apex's `amp.master_params(optimizer)`: the
+        // per-parameter norms are summed in it.
+        let params: Vec<Tensor> = torch_groups(&self.entries)
+            .into_iter()
+            .flatten()
+            .map(|i| self.entries[i].update_target().shallow_clone())
+            .collect();
         let total = clip_grads(&params, max_norm, norm_type, NonFiniteNorm::Skip)?;
         crate::counters::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")

@@ -360,15 +360,13 @@ impl AmpOptimizer {
 
 impl AmpOptimizer {
     /// Per parameter, in [`Self::param_names`] order, what mapping torch.optim's state dicts
-    /// needs (`crate::torch_checkpoint`): its tch parameter group, its place in the
-    /// VarStore's creation order, its shape, whether it has an fp32 master and the dtype of its
-    /// optimizer state.
+    /// needs (`crate::torch_checkpoint`): its tch parameter group, its shape, whether it has an
+    /// fp32 master and the dtype of its optimizer state.
     pub(crate) fn param_layout(&self) -> Vec<ParamLayout> {
         self.entries
             .iter()
             .map(|e| ParamLayout {
                 group: e.group(),
-                order: e.order(),
                 shape: e.model().size(),
                 has_master: e.master().is_some(),
                 state_kind: self.inner.state_kind(e.update_target().kind()),
@@ -377,11 +375,21 @@ impl AmpOptimizer {
     }
 }
 
+impl AmpOptimizer {
+    /// The parameters' names in torch's order, one list per torch param group (see
+    /// `optim::params::torch_groups`).
+    pub(crate) fn torch_param_groups(&self) -> Vec<Vec<&str>> {
+        super::super::params::torch_groups(&self.entries)
+            .into_iter()
+            .map(|g| g.into_iter().map(|i| self.entries[i].name()).collect())
+            .collect()
+    }
+}
+
 /// One parameter of an optimizer as [`AmpOptimizer::param_layout`] describes it.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamLayout {
     pub(crate) group: usize,
-    pub(crate) order: usize,
     pub(crate) shape: Vec<i64>,
     pub(crate) has_master: bool,
     pub(crate) state_kind: Kind,
