@@ -125,6 +125,7 @@ pub mod distributed;
 mod dtype;
 pub mod ema;
 pub mod error;
+pub mod float8;
 pub mod fp16_utils;
 pub mod model;
 pub mod optim;

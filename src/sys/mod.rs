@@ -13,6 +13,7 @@ use torch_sys::C_tensor;
 
 use crate::error::{AmpError, Result};
 
+pub(crate) mod autograd;
 mod autocast;
 pub(crate) mod cast;
 pub(crate) mod cpu;

@@ -1,0 +1,193 @@
+//! Float8 training against torchao 0.18 (tensorwise, rowwise, rowwise_with_gw_hp) and against
+//! the Python reference of Transformer Engine's delayed scaling, bit for bit on CPU: per step
+//! the output, the loss, the gradients of the input and of every parameter, every scale, the
+//! delayed-scaling state and the parameters after SGD (torch.optim.SGD, momentum 0.9, through
+//! tch-amp's O0 optimizer), on an MLP and a transformer block, in fp32, under CPU bf16 autocast
+//! and with bf16 weights. Expected values: scripts/reference/float8_reference.py.
+use tch::nn::{Module, VarStore};
+use tch::{Device, Kind, Tensor};
+use tch_amp::float8::Float8Training;
+use tch_amp::torch_amp::Autocast;
+use tch_amp::{Amp, AmpConfig, AmpOptimizer, CpuKernels, OptLevel};
+
+use super::models::{fixture, training, Model};
+use crate::common::reference::{bits_equal, describe_diff, Fixture};
+
+/// Copies the case's initial parameters into `vs` (cast to the variables' dtype first where
+/// the case runs bf16: the fixture's are bf16 then).
+pub fn load_init(fx: &Fixture, case: &str, vs: &VarStore) {
+    let _g = tch::no_grad_guard();
+    for (name, var) in vs.variables() {
+        let want = fx.get(&format!("{case}/init/{name}"));
+        var.shallow_clone().copy_(want);
+    }
+}
+
+/// One forward and backward pass (through `scale_loss` when there is an optimizer); returns
+/// the output and the loss.
+pub fn step(
+    model: &Model,
+    x: &Tensor,
+    target: &Tensor,
+    autocast: bool,
+    opt: Option<(&mut Amp, &mut AmpOptimizer)>,
+) -> (Tensor, Tensor) {
+    let y = if autocast {
+        Autocast::new(Device::Cpu).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).run(|| model.forward(x)).unwrap()
+    } else {
+        model.forward(x)
+    };
+    let loss = y.to_kind(Kind::Float).mse_loss(target, tch::Reduction::Mean);
+    match opt {
+        Some((amp, opt)) => {
+            opt.zero_grad().unwrap();
+            amp.scale_loss(&loss, &mut [&mut *opt], |l| l.backward()).unwrap();
+        }
+        None => loss.backward(),
+    }
+    (y, loss)
+}
+
+fn check(failures: &mut Vec<String>, what: &str, got: &Tensor, want: &Tensor) {
+    let got = if got.size() != want.size() && got.numel() == want.numel() { got.reshape(want.size()) } else { got.shallow_clone() };
+    if !bits_equal(&got, want) {
+        failures.push(format!("{what}: {}", describe_diff(&got, want)));
+    }
+}
+
+/// The delayed-scaling tensor at `layer/role/key` of a state dict.
+pub fn state_tensor(fp8: &Float8Training, layer: &str, role: &str, key: &str) -> Tensor {
+    let state = fp8.state_dict();
+    state.get(layer).unwrap().get(role).unwrap().get(key).unwrap().as_tensor().unwrap().shallow_clone()
+}
+
+/// Runs `case` from step `from` (with the model, store and training given), comparing every
+/// step with the fixture; returns the mismatches.
+pub fn run_steps(
+    fx: &Fixture,
+    case: &serde_json::Value,
+    vs: &VarStore,
+    model: &Model,
+    fp8: &Float8Training,
+    mut opt: Option<(&mut Amp, &mut AmpOptimizer)>,
+    steps: std::ops::Range<i64>,
+) -> Vec<String> {
+    let name = case["name"].as_str().unwrap();
+    let autocast = case["mode"] == "autocast";
+    let mut failures = Vec::new();
+    let vars = vs.variables();
+    for s in steps {
+        let pre = format!("{name}/step{s}/");
+        let x = fx.get(&format!("{pre}x")).copy().set_requires_grad(true);
+        let target = fx.get(&format!("{pre}target"));
+        let (y, loss) = step(model, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
+        check(&mut failures, &format!("{pre}y"), &y, fx.get(&format!("{pre}y")));
+        check(&mut failures, &format!("{pre}loss"), &loss.reshape([1]), fx.get(&format!("{pre}loss")));
+        check(&mut failures, &format!("{pre}x_grad"), &x.grad(), fx.get(&format!("{pre}x_grad")));
+        for (n, v) in &vars {
+            check(&mut failures, &format!("{pre}grad/{n}"), &v.grad(), fx.get(&format!("{pre}grad/{n}")));
+        }
+        if let Some((_, opt)) = opt.as_mut() {
+            assert!(opt.step().unwrap().stepped(), "{pre}: the step was skipped");
+        }
+        for (n, v) in &vars {
+            check(&mut failures, &format!("{pre}param/{n}"), v, fx.get(&format!("{pre}param/{n}")));
+        }
+        let scale_prefix = format!("{pre}scale/");
+        let mut scale_keys: Vec<&String> = fx.tensors.keys().filter(|k| k.starts_with(&scale_prefix)).collect();
+        scale_keys.sort();
+        assert!(!scale_keys.is_empty(), "{pre}: the fixture has no scales");
+        for key in scale_keys {
+            let (layer, role) = key[scale_prefix.len()..].split_once('/').unwrap();
+            let scales = fp8.scales(layer).unwrap_or_else(|| panic!("{layer} is not converted"));
+            let got = match role {
+                "input" => scales.input,
+                "weight" => scales.weight,
+                "grad_output" => scales.grad_output,
+                "weight_for_grad_input" => scales.weight_for_grad_input,
+                "grad_output_for_grad_weight" => scales.grad_output_for_grad_weight,
+                "input_for_grad_weight" => scales.input_for_grad_weight,
+                other => panic!("unknown role {other}"),
+            };
+            match got {
+                Some(t) => check(&mut failures, key, &t, fx.get(key)),
+                None => failures.push(format!("{key}: tch-amp recorded no scale")),
+            }
+        }
+        if case["kind"] == "delayed" {
+            let state_prefix = format!("{pre}state/");
+            for key in fx.tensors.keys().filter(|k| k.starts_with(&state_prefix)) {
+                let parts: Vec<&str> = key[state_prefix.len()..].split('/').collect();
+                check(&mut failures, key, &state_tensor(fp8, parts[0], parts[1], parts[2]), fx.get(key));
+            }
+        }
+        if !failures.is_empty() {
+            return failures; // later steps only repeat the divergence
+        }
+    }
+    failures
+}
+
+/// Builds the case's model, loads its initial values and runs every step.
+fn run_case(fx: &Fixture, case: &serde_json::Value) -> Vec<String> {
+    let name = case["name"].as_str().unwrap();
+    let mut vs = VarStore::new(Device::Cpu);
+    let fp8 = training(case);
+    let model = Model::new(case["model"].as_str().unwrap(), &vs.root(), &fp8);
+    let (converted, skipped) = model.layers();
+    let report = fp8.report();
+    assert_eq!(report.converted, converted, "{name}: converted layers");
+    assert_eq!(report.skipped.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), skipped, "{name}: skipped");
+    if case["mode"] == "bf16" {
+        vs.bfloat16();
+    }
+    load_init(fx, name, &vs);
+    let steps = 0..case["steps"].as_i64().unwrap();
+    if case["optimizer"].as_bool().unwrap() {
+        let mut amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
+        let _m = amp.cast_model(&vs, ()).unwrap();
+        let sgd = tch::nn::Sgd { momentum: 0.9, ..Default::default() };
+        let mut opt = amp.optimizer(&vs, sgd, 0.05).unwrap();
+        run_steps(fx, case, &vs, &model, &fp8, Some((&mut amp, &mut opt)), steps)
+    } else {
+        run_steps(fx, case, &vs, &model, &fp8, None, steps)
+    }
+}
+
+fn run_cases(filter: impl Fn(&serde_json::Value) -> bool, expected: usize) {
+    tch::set_num_threads(1);
+    let fx = fixture();
+    let cases = fx.meta_json("cases");
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for case in cases.as_array().unwrap().iter().filter(|c| filter(c)) {
+        let f = run_case(&fx, case);
+        if f.is_empty() {
+            println!("{}: bit for bit", case["name"]);
+        }
+        failures.extend(f);
+        ran += 1;
+    }
+    assert_eq!(ran, expected, "cases run");
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn torchao_tensorwise_bit_for_bit() {
+    run_cases(|c| c["recipe"] == "tensorwise", 7);
+}
+
+#[test]
+fn torchao_rowwise_bit_for_bit() {
+    run_cases(|c| c["recipe"] == "rowwise", 6);
+}
+
+#[test]
+fn torchao_rowwise_with_gw_hp_bit_for_bit() {
+    run_cases(|c| c["recipe"] == "rowwise_with_gw_hp", 4);
+}
+
+#[test]
+fn te_delayed_scaling_bit_for_bit() {
+    run_cases(|c| c["kind"] == "delayed", 8);
+}
