@@ -87,6 +87,9 @@
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
 //! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
+//! - [`float8`] (`src/float8/`): FP8 training of linear layers, torchao's recipes
+//!   ([`float8::Float8LinearConfig`], [`float8::Float8Training`], [`float8::Float8Linear`])
+//!   and Transformer Engine's delayed scaling ([`float8::DelayedScaling`]).
 //! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: autocast's options
 //!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
 //!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),

@@ -11,7 +11,8 @@ Fixture::generated), so the values come from the machine that runs the tests.
 
 Two models, built from the same initial values on both sides:
 - "mlp": fc1 32->64, relu, fc2 64->48, relu, fc3 48->10 (fc3's 10 features are no multiple of
-  16: skipped, as torchao's recipe filters skip it); input [20, 32].
+  16: skipped, as torchao's recipe filters skip it); input [20, 32] ([32, 32] on CUDA, whose
+  `_scaled_mm` needs multiples of 16).
 - "block": a pre-norm transformer block, D=32, 2 heads: ln1, q, k, v, o (32->32), ln2, fc1
   32->64, gelu, fc2 64->32, then head 32->10 (skipped); input [2, 8, 32].
 Modes: "fp32" (3 steps of SGD lr 0.05 momentum 0.9 on mse loss), "autocast" (fp32 weights,
@@ -47,6 +48,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 from torchao.float8.float8_training_tensor import GemmInputRole  # noqa: E402
 
 torch.set_num_threads(1)
+DEVICE = "cpu"  # float8_reference_cuda.py sets "cuda"
 HEADS = 2
 LR, MOMENTUM = 0.05, 0.9
 
@@ -85,10 +87,11 @@ class Block(nn.Module):
 
 def data(model_name, step, dtype):
     g = torch.Generator().manual_seed(1000 + step)
-    shape = (20, 32) if model_name == "mlp" else (2, 8, 32)
-    out = (20, 10) if model_name == "mlp" else (2, 8, 10)
+    rows = 20 if DEVICE == "cpu" else 32  # CUDA's _scaled_mm needs multiples of 16
+    shape = (rows, 32) if model_name == "mlp" else (2, 8, 32)
+    out = (rows, 10) if model_name == "mlp" else (2, 8, 10)
     x = torch.randn(shape, generator=g) * 2.0
-    return x.to(dtype), torch.randn(out, generator=g)
+    return x.to(dtype).to(DEVICE), torch.randn(out, generator=g).to(DEVICE)
 
 
 def dims_filter(module, fqn):
@@ -141,7 +144,7 @@ f8l.matmul_with_hp_or_float8_args.backward = staticmethod(recording_bwd)
 def build(model_name, dtype):
     torch.manual_seed(7)
     m = Mlp() if model_name == "mlp" else Block()
-    return m.to(dtype)
+    return m.to(dtype).to(DEVICE)
 
 
 def convert(model, kind, spec):
@@ -166,7 +169,7 @@ def run_case(out, case):
     model = convert(build(model_name, dtype), case["kind"], case)
     for p, t in model.named_parameters():
         out[f"{name}/init/{p}"] = t.detach().clone()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if case["optimizer"] else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, foreach=False) if case["optimizer"] else None
     for s in range(case["steps"]):
         pre = f"{name}/step{s}/"
         x, target = data(model_name, s, dtype)
@@ -177,7 +180,7 @@ def run_case(out, case):
         if opt:
             opt.zero_grad()
         if mode == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 y = model(x)
         else:
             y = model(x)
@@ -205,7 +208,7 @@ def run_case(out, case):
                         out[pre + f"scale/{lname}/{role}"] = sc.clone()
 
 
-def cases():
+def cases(device="cpu"):
     out = []
     for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         for model_name in ("mlp", "block"):
@@ -226,6 +229,10 @@ def cases():
                             steps=5, optimizer=True, **d))
     out.append(dict(name="delayed0-block-autocast", kind="delayed", model="block", mode="autocast", steps=4,
                     optimizer=True, **delayed[0]))
+    if device != "cpu":
+        keep = ("tensorwise-mlp-fp32", "tensorwise-block-autocast", "rowwise-mlp-fp32", "rowwise-block-autocast",
+                "delayed0-mlp-fp32", "delayed0-block-autocast")
+        return [c for c in out if c["name"] in keep]
     out.append(dict(name="tensorwise-mlp-nonfinite", kind="torchao", recipe="tensorwise", model="mlp",
                     mode="fp32", steps=1, optimizer=True, inf_step=0))
     out.append(dict(name="delayed0-mlp-nonfinite", kind="delayed", model="mlp", mode="fp32", steps=4,
@@ -233,12 +240,15 @@ def cases():
     return out
 
 
-def main():
+def main(device="cpu"):
+    global DEVICE
+    DEVICE = device
     out = {}
-    all_cases = cases()
+    all_cases = cases(device)
     for case in all_cases:
         run_case(out, case)
-    save_file({k: v.contiguous() for k, v in out.items()}, sys.argv[1], metadata={"cases": json.dumps(all_cases)})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in out.items()}
+    save_file(tensors, sys.argv[1], metadata={"cases": json.dumps(all_cases)})
 
 
 if __name__ == "__main__":

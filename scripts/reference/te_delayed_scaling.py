@@ -46,7 +46,8 @@ class Recipe:
 class TensorState:
     """One tensor's amax history and scale, as Python floats held in numpy.float32."""
 
-    def __init__(self, length):
+    def __init__(self, length, device):
+        self.device = device
         self.history = [np.float32(0.0)] * length
         self.scale = np.float32(1.0)
 
@@ -78,10 +79,10 @@ class TensorState:
         self.scale = np.float32(scale)
 
     def scale_tensor(self):
-        return torch.tensor(float(self.scale), dtype=torch.float32)
+        return torch.tensor(float(self.scale), dtype=torch.float32, device=self.device)
 
     def history_tensor(self):
-        return torch.tensor([float(v) for v in self.history], dtype=torch.float32)
+        return torch.tensor([float(v) for v in self.history], dtype=torch.float32, device=self.device)
 
 
 def quantize(x, scale, dtype):
@@ -107,7 +108,8 @@ class _DelayedMatmul(torch.autograd.Function):
         xq, wq = quantize(x2, si, recipe.fwd), quantize(w, sw, recipe.fwd)
         layer.state["input"].record(x2)
         layer.state["weight"].record(w)
-        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x2.dtype
+        dev = x2.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x2.dtype
         y = scaled_mm(xq, si, wq.t(), sw, out_dtype, True)
         if grad_enabled:  # autocast_exit updates the forward states (with grad enabled only)
             layer.state["input"].update(recipe.fwd, recipe)
@@ -141,10 +143,12 @@ class DelayedLinear(torch.nn.Linear):
         self.weight = linear.weight
         self.bias = linear.bias
         self.recipe = recipe
-        self.state = {r: TensorState(recipe.len) for r in ("input", "weight", "grad_output")}
+        self.state = {r: TensorState(recipe.len, linear.weight.device) for r in ("input", "weight", "grad_output")}
         self.last = {}
 
     def forward(self, x):
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):  # TE's activation dtype
+            x = x.to(torch.get_autocast_dtype("cuda"))
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         y = _DelayedMatmul.apply(x2, self.weight, self, torch.is_grad_enabled()).reshape(*x.shape[:-1], self.out_features)

@@ -157,9 +157,7 @@ pub(crate) fn mm(a: &Operand, b: &Operand, gemm: Gemm) -> Result<Tensor> {
         b_inv = one;
     }
     let out = if rowwise && matches!(gemm.out, Kind::Half | Kind::Float) { Kind::BFloat16 } else { gemm.out };
-    let mut o = ad
-        .f_internal_scaled_mm::<Tensor>(&bd, &a_inv, &b_inv, None, None, out, gemm.fast_accum)
-        .ctx(MM)?;
+    let mut o = ad.f_internal_scaled_mm::<Tensor>(&bd, &a_inv, &b_inv, None, None, out, gemm.fast_accum).ctx(MM)?;
     if let Some(p) = post {
         o = o.f_mul_(&p).ctx(MM)?;
     }

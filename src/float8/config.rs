@@ -131,7 +131,12 @@ pub struct DelayedScaling {
 impl Default for DelayedScaling {
     /// TE's defaults: margin 0, HYBRID, a history of 1024, `max`.
     fn default() -> Self {
-        Self { margin: 0, fp8_format: Fp8Format::Hybrid, amax_history_len: 1024, amax_compute_algo: AmaxComputeAlgo::Max }
+        Self {
+            margin: 0,
+            fp8_format: Fp8Format::Hybrid,
+            amax_history_len: 1024,
+            amax_compute_algo: AmaxComputeAlgo::Max,
+        }
     }
 }
 
@@ -250,7 +255,10 @@ impl Float8LinearConfig {
                 cast_config_grad_output: CastConfig::axiswise(e4m3),
                 cast_config_weight_for_grad_input: Some(CastConfig::default()),
                 cast_config_input_for_grad_weight: Some(CastConfig::disabled()),
-                cast_config_grad_output_for_grad_weight: Some(CastConfig { target_dtype: e4m3, ..CastConfig::disabled() }),
+                cast_config_grad_output_for_grad_weight: Some(CastConfig {
+                    target_dtype: e4m3,
+                    ..CastConfig::disabled()
+                }),
                 round_scales_to_power_of_2: true,
                 ..Self::default()
             }),
@@ -439,20 +447,29 @@ mod tests {
 
     #[test]
     fn torchao_rules_are_checked() {
-        let bad = |c: Float8LinearConfig| matches!(c.validate(), Err(AmpError::Config(ConfigError::InvalidOption { .. })));
+        let bad =
+            |c: Float8LinearConfig| matches!(c.validate(), Err(AmpError::Config(ConfigError::InvalidOption { .. })));
         let d = Float8LinearConfig::default();
         assert!(bad(Float8LinearConfig { cast_config_input: CastConfig::disabled(), ..d }));
         assert!(bad(Float8LinearConfig {
-            cast_config_weight: CastConfig { scaling_granularity: ScalingGranularity::Axiswise, ..CastConfig::disabled() },
+            cast_config_weight: CastConfig {
+                scaling_granularity: ScalingGranularity::Axiswise,
+                ..CastConfig::disabled()
+            },
             ..d
         }));
         assert!(bad(Float8LinearConfig {
-            cast_config_input_for_grad_weight: Some(CastConfig { target_dtype: Some(Float8Dtype::E5m2), ..CastConfig::default() }),
+            cast_config_input_for_grad_weight: Some(CastConfig {
+                target_dtype: Some(Float8Dtype::E5m2),
+                ..CastConfig::default()
+            }),
             ..d
         }));
         let delayed = d.delayed_scaling(DelayedScaling::default());
         assert!(delayed.validate().is_ok());
-        assert!(bad(Float8LinearConfig::from_recipe_name("rowwise").unwrap().delayed_scaling(DelayedScaling::default())));
+        assert!(bad(Float8LinearConfig::from_recipe_name("rowwise")
+            .unwrap()
+            .delayed_scaling(DelayedScaling::default())));
         assert!(bad(d.delayed_scaling(DelayedScaling { amax_history_len: 0, ..DelayedScaling::default() })));
         assert!(bad(d.delayed_scaling(DelayedScaling { margin: 1000, ..DelayedScaling::default() })));
         let e4m3 = d.delayed_scaling(DelayedScaling { fp8_format: Fp8Format::E4m3, ..DelayedScaling::default() });

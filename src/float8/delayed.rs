@@ -105,7 +105,8 @@ impl AmaxState {
         if scale.dim() != 0 {
             return Err(mismatch(format!("{at}/scale has shape {:?}, expected a 0-dim tensor", scale.size())));
         }
-        let bad_history = history.f_isnan().and_then(|n| n.f_logical_or(&history.f_lt(0.0)?)).and_then(|b| b.f_any()).ctx(CTX)?;
+        let bad_history =
+            history.f_isnan().and_then(|n| n.f_logical_or(&history.f_lt(0.0)?)).and_then(|b| b.f_any()).ctx(CTX)?;
         if bool::try_from(&bad_history).ctx(CTX)? {
             return Err(mismatch(format!("{at}/amax_history holds NaN or negative values")));
         }

@@ -78,11 +78,12 @@ impl std::fmt::Display for SkipReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SkipReason::Filtered => write!(f, "not selected by the layer filter"),
-            SkipReason::Dimensions { in_features, out_features } => write!(
-                f,
-                "{in_features} input and {out_features} output features: float8 GEMMs need multiples of 16"
-            ),
-            SkipReason::Dtype(kind) => write!(f, "weight dtype {kind:?}: float8 layers take fp32, bf16 or fp16 weights"),
+            SkipReason::Dimensions { in_features, out_features } => {
+                write!(f, "{in_features} input and {out_features} output features: float8 GEMMs need multiples of 16")
+            }
+            SkipReason::Dtype(kind) => {
+                write!(f, "weight dtype {kind:?}: float8 layers take fp32, bf16 or fp16 weights")
+            }
         }
     }
 }

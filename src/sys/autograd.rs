@@ -131,9 +131,8 @@ pub(crate) fn custom_function(
     saved: &[Tensor],
     backward: Backward,
 ) -> Result<Vec<Tensor>> {
-    let count = |n: usize| {
-        c_int::try_from(n).map_err(|_| AmpError::torch("custom autograd function", "too many tensors"))
-    };
+    let count =
+        |n: usize| c_int::try_from(n).map_err(|_| AmpError::torch("custom autograd function", "too many tensors"));
     let (n_in, n_out, n_saved) = (count(inputs.len())?, count(outputs.len())?, count(saved.len())?);
     let ins: Vec<*mut C_tensor> = inputs.iter().map(|t| ptr(t)).collect();
     let outs: Vec<*mut C_tensor> = outputs.iter().map(ptr).collect();

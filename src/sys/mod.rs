@@ -13,8 +13,8 @@ use torch_sys::C_tensor;
 
 use crate::error::{AmpError, Result};
 
-pub(crate) mod autograd;
 mod autocast;
+pub(crate) mod autograd;
 pub(crate) mod cast;
 pub(crate) mod cpu;
 pub(crate) mod distributed;

@@ -39,8 +39,8 @@ fn layers_that_cannot_run_in_float8_are_skipped_or_refused() {
     let vs = VarStore::new(Device::Cpu);
     let root = vs.root();
     // Selected by a prefix: skipped and reported.
-    let fp8 = Float8Training::new(Float8LinearConfig::default(), LayerFilter::only(&["enc"]).except(&["enc.out"]))
-        .unwrap();
+    let fp8 =
+        Float8Training::new(Float8LinearConfig::default(), LayerFilter::only(&["enc"]).except(&["enc.out"])).unwrap();
     let a = fp8.linear(&root / "enc" / "a", 32, 48, Default::default()).unwrap();
     let b = fp8.linear(&root / "enc" / "b", 48, 10, Default::default()).unwrap();
     let c = fp8.linear(&root / "enc" / "out", 48, 16, Default::default()).unwrap();
@@ -60,12 +60,12 @@ fn layers_that_cannot_run_in_float8_are_skipped_or_refused() {
     let fp8 = Float8Training::new(Float8LinearConfig::default(), LayerFilter::only(&["head", "f64"])).unwrap();
     let before = vs.variables().len();
     let err = fp8.linear(&root / "head", 48, 10, Default::default()).unwrap_err();
-    assert!(matches!(&err, AmpError::Config(ConfigError::Float8LayerRefused { layer, .. }) if layer == "head"), "{err}");
+    assert!(
+        matches!(&err, AmpError::Config(ConfigError::Float8LayerRefused { layer, .. }) if layer == "head"),
+        "{err}"
+    );
     assert_eq!(vs.variables().len(), before, "a refused layer left variables behind");
-    let f64_layer = nn::Linear {
-        ws: Tensor::zeros([16, 16], (Kind::Double, Device::Cpu)),
-        bs: None,
-    };
+    let f64_layer = nn::Linear { ws: Tensor::zeros([16, 16], (Kind::Double, Device::Cpu)), bs: None };
     let err = fp8.convert("f64", f64_layer).unwrap_err();
     assert!(matches!(err, AmpError::Config(ConfigError::Float8LayerRefused { .. })), "{err}");
     assert!(fp8.report().converted.is_empty() && fp8.report().skipped.is_empty());
@@ -84,7 +84,8 @@ fn layers_that_cannot_run_in_float8_are_skipped_or_refused() {
 fn bad_inputs_to_a_float8_layer_are_errors() {
     let vs = VarStore::new(Device::Cpu);
     for recipe in ["tensorwise", "rowwise"] {
-        let fp8 = Float8Training::new(Float8LinearConfig::from_recipe_name(recipe).unwrap(), LayerFilter::all()).unwrap();
+        let fp8 =
+            Float8Training::new(Float8LinearConfig::from_recipe_name(recipe).unwrap(), LayerFilter::all()).unwrap();
         let l = fp8.linear(vs.root() / recipe, 16, 32, Default::default()).unwrap();
         assert!(l.f_forward(&Tensor::ones([4, 8], cpu())).is_err(), "{recipe}: wrong in_features");
         assert!(l.f_forward(&Tensor::from(1.0f32)).is_err(), "{recipe}: a 0-dim input");
@@ -96,7 +97,10 @@ fn bad_inputs_to_a_float8_layer_are_errors() {
         assert_eq!(y.size(), [2, 3, 32]);
         // An empty batch runs (amax of nothing is an error in libtorch, reported as one).
         let _ = l.f_forward(&Tensor::ones([0, 16], cpu()));
-        assert!(std::panic::catch_unwind(|| l.forward(&Tensor::ones([4, 8], cpu()))).is_err(), "Module::forward panics");
+        assert!(
+            std::panic::catch_unwind(|| l.forward(&Tensor::ones([4, 8], cpu()))).is_err(),
+            "Module::forward panics"
+        );
     }
 }
 

@@ -9,7 +9,7 @@ use tch_amp::torch_io::{Dict, Key, Value};
 use tch_amp::{Amp, AmpConfig, AmpError, OptLevel};
 
 use super::models::{fixture, training, Model};
-use super::reference::{load_init, run_steps, state_tensor};
+use super::reference::{load_init, run_steps, state_tensor, Run};
 
 fn case(name: &str) -> serde_json::Value {
     let cases = fixture().meta_json("cases");
@@ -32,7 +32,13 @@ fn delayed_scaling_resumes_bit_exactly() {
         let mut amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
         let _m = amp.cast_model(&vs, ()).unwrap();
         let mut opt = amp.optimizer(&vs, sgd, 0.05).unwrap();
-        let f = run_steps(&fx, &case, &vs, &model, &fp8, Some((&mut amp, &mut opt)), 0..2);
+        let f = run_steps(
+            &fx,
+            &case,
+            Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8 },
+            Some((&mut amp, &mut opt)),
+            0..2,
+        );
         assert!(f.is_empty(), "before the checkpoint:\n{}", f.join("\n"));
         let mut state = TrainingState::default();
         state.insert_tree("float8", &fp8.state_dict()).unwrap();
@@ -49,7 +55,13 @@ fn delayed_scaling_resumes_bit_exactly() {
     fp8.load_state_dict(&back.tree("float8")).unwrap();
     let hist = state_tensor(&fp8, "q", "input", "amax_history");
     assert!(bool::try_from(hist.ne(0.0).any()).unwrap(), "the loaded history is empty");
-    let f = run_steps(&fx, &case, &vs, &model, &fp8, Some((&mut amp, &mut opt)), 2..5);
+    let f = run_steps(
+        &fx,
+        &case,
+        Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8 },
+        Some((&mut amp, &mut opt)),
+        2..5,
+    );
     assert!(f.is_empty(), "after resuming:\n{}", f.join("\n"));
 }
 
@@ -75,7 +87,11 @@ fn bad_delayed_state_is_refused_and_changes_nothing() {
             for r in ["input", "weight", "grad_output"] {
                 let mut entry = Dict::new();
                 for k in ["amax_history", "scale"] {
-                    let t = if (l, r, k) == (layer, role, key) { value.shallow_clone() } else { state_tensor(&fp8, l, r, k) };
+                    let t = if (l, r, k) == (layer, role, key) {
+                        value.shallow_clone()
+                    } else {
+                        state_tensor(&fp8, l, r, k)
+                    };
                     entry.insert(k, Value::Tensor(t));
                 }
                 roles.insert(r, Value::Dict(entry));
@@ -85,8 +101,18 @@ fn bad_delayed_state_is_refused_and_changes_nothing() {
         Value::Dict(d)
     };
     let f = |v: f32| Tensor::from(v);
-    assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "weight", "amax_history", Tensor::zeros([3], (Kind::Float, Device::Cpu))))));
-    assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "weight", "amax_history", Tensor::from_slice(&[0f32, f32::NAN, 0.0, 1.0])))));
+    assert!(is_mismatch(fp8.load_state_dict(&edit(
+        "fc2",
+        "weight",
+        "amax_history",
+        Tensor::zeros([3], (Kind::Float, Device::Cpu))
+    ))));
+    assert!(is_mismatch(fp8.load_state_dict(&edit(
+        "fc2",
+        "weight",
+        "amax_history",
+        Tensor::from_slice(&[0f32, f32::NAN, 0.0, 1.0])
+    ))));
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "grad_output", "scale", f(0.0)))));
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "grad_output", "scale", f(f32::INFINITY)))));
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "input", "scale", Tensor::from(2.0f64)))));

@@ -4,6 +4,7 @@
 mod common;
 
 mod bad_input;
+mod bitwise;
 mod checkpoint;
 mod models;
 mod reference;

@@ -1,16 +1,15 @@
-//! Float8 training against torchao 0.18 (tensorwise, rowwise, rowwise_with_gw_hp) and against
-//! the Python reference of Transformer Engine's delayed scaling, bit for bit on CPU: per step
-//! the output, the loss, the gradients of the input and of every parameter, every scale, the
+//! The harness of the bit-for-bit float8 tests (bitwise.rs here, tests/cuda/float8.rs): runs a
+//! case of scripts/reference/float8_reference.py on a device and compares per step the output,
+//! the loss, the gradients of the input and of every parameter, every scale, the
 //! delayed-scaling state and the parameters after SGD (torch.optim.SGD, momentum 0.9, through
-//! tch-amp's O0 optimizer), on an MLP and a transformer block, in fp32, under CPU bf16 autocast
-//! and with bf16 weights. Expected values: scripts/reference/float8_reference.py.
+//! tch-amp's O0 optimizer).
 use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::float8::Float8Training;
 use tch_amp::torch_amp::Autocast;
 use tch_amp::{Amp, AmpConfig, AmpOptimizer, CpuKernels, OptLevel};
 
-use super::models::{fixture, training, Model};
+use super::models::{training, Model};
 use crate::common::reference::{bits_equal, describe_diff, Fixture};
 
 /// Copies the case's initial parameters into `vs` (cast to the variables' dtype first where
@@ -26,6 +25,7 @@ pub fn load_init(fx: &Fixture, case: &str, vs: &VarStore) {
 /// One forward and backward pass (through `scale_loss` when there is an optimizer); returns
 /// the output and the loss.
 pub fn step(
+    device: Device,
     model: &Model,
     x: &Tensor,
     target: &Tensor,
@@ -33,7 +33,7 @@ pub fn step(
     opt: Option<(&mut Amp, &mut AmpOptimizer)>,
 ) -> (Tensor, Tensor) {
     let y = if autocast {
-        Autocast::new(Device::Cpu).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).run(|| model.forward(x)).unwrap()
+        Autocast::new(device).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).run(|| model.forward(x)).unwrap()
     } else {
         model.forward(x)
     };
@@ -49,7 +49,12 @@ pub fn step(
 }
 
 fn check(failures: &mut Vec<String>, what: &str, got: &Tensor, want: &Tensor) {
-    let got = if got.size() != want.size() && got.numel() == want.numel() { got.reshape(want.size()) } else { got.shallow_clone() };
+    let got = got.to_device(Device::Cpu);
+    let got = if got.size() != want.size() && got.numel() == want.numel() {
+        got.reshape(want.size())
+    } else {
+        got.shallow_clone()
+    };
     if !bits_equal(&got, want) {
         failures.push(format!("{what}: {}", describe_diff(&got, want)));
     }
@@ -61,26 +66,34 @@ pub fn state_tensor(fp8: &Float8Training, layer: &str, role: &str, key: &str) ->
     state.get(layer).unwrap().get(role).unwrap().get(key).unwrap().as_tensor().unwrap().shallow_clone()
 }
 
+/// What a case runs on.
+#[derive(Clone, Copy)]
+pub struct Run<'a> {
+    pub device: Device,
+    pub vs: &'a VarStore,
+    pub model: &'a Model,
+    pub fp8: &'a Float8Training,
+}
+
 /// Runs `case` from step `from` (with the model, store and training given), comparing every
 /// step with the fixture; returns the mismatches.
 pub fn run_steps(
     fx: &Fixture,
     case: &serde_json::Value,
-    vs: &VarStore,
-    model: &Model,
-    fp8: &Float8Training,
+    run: Run<'_>,
     mut opt: Option<(&mut Amp, &mut AmpOptimizer)>,
     steps: std::ops::Range<i64>,
 ) -> Vec<String> {
+    let Run { device, vs, model, fp8 } = run;
     let name = case["name"].as_str().unwrap();
     let autocast = case["mode"] == "autocast";
     let mut failures = Vec::new();
     let vars = vs.variables();
     for s in steps {
         let pre = format!("{name}/step{s}/");
-        let x = fx.get(&format!("{pre}x")).copy().set_requires_grad(true);
-        let target = fx.get(&format!("{pre}target"));
-        let (y, loss) = step(model, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
+        let x = fx.get(&format!("{pre}x")).to_device(device).set_requires_grad(true);
+        let target = &fx.get(&format!("{pre}target")).to_device(device);
+        let (y, loss) = step(device, model, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
         check(&mut failures, &format!("{pre}y"), &y, fx.get(&format!("{pre}y")));
         check(&mut failures, &format!("{pre}loss"), &loss.reshape([1]), fx.get(&format!("{pre}loss")));
         check(&mut failures, &format!("{pre}x_grad"), &x.grad(), fx.get(&format!("{pre}x_grad")));
@@ -129,9 +142,9 @@ pub fn run_steps(
 }
 
 /// Builds the case's model, loads its initial values and runs every step.
-fn run_case(fx: &Fixture, case: &serde_json::Value) -> Vec<String> {
+fn run_case(device: Device, fx: &Fixture, case: &serde_json::Value) -> Vec<String> {
     let name = case["name"].as_str().unwrap();
-    let mut vs = VarStore::new(Device::Cpu);
+    let mut vs = VarStore::new(device);
     let fp8 = training(case);
     let model = Model::new(case["model"].as_str().unwrap(), &vs.root(), &fp8);
     let (converted, skipped) = model.layers();
@@ -148,20 +161,21 @@ fn run_case(fx: &Fixture, case: &serde_json::Value) -> Vec<String> {
         let _m = amp.cast_model(&vs, ()).unwrap();
         let sgd = tch::nn::Sgd { momentum: 0.9, ..Default::default() };
         let mut opt = amp.optimizer(&vs, sgd, 0.05).unwrap();
-        run_steps(fx, case, &vs, &model, &fp8, Some((&mut amp, &mut opt)), steps)
+        run_steps(fx, case, Run { device, vs: &vs, model: &model, fp8: &fp8 }, Some((&mut amp, &mut opt)), steps)
     } else {
-        run_steps(fx, case, &vs, &model, &fp8, None, steps)
+        run_steps(fx, case, Run { device, vs: &vs, model: &model, fp8: &fp8 }, None, steps)
     }
 }
 
-fn run_cases(filter: impl Fn(&serde_json::Value) -> bool, expected: usize) {
+/// Runs the fixture's cases that `filter` keeps on `device` (`expected` of them) and fails with
+/// every mismatch.
+pub fn run_cases(device: Device, fx: &Fixture, filter: impl Fn(&serde_json::Value) -> bool, expected: usize) {
     tch::set_num_threads(1);
-    let fx = fixture();
     let cases = fx.meta_json("cases");
     let mut failures = Vec::new();
     let mut ran = 0;
     for case in cases.as_array().unwrap().iter().filter(|c| filter(c)) {
-        let f = run_case(&fx, case);
+        let f = run_case(device, fx, case);
         if f.is_empty() {
             println!("{}: bit for bit", case["name"]);
         }
@@ -170,24 +184,4 @@ fn run_cases(filter: impl Fn(&serde_json::Value) -> bool, expected: usize) {
     }
     assert_eq!(ran, expected, "cases run");
     assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
-}
-
-#[test]
-fn torchao_tensorwise_bit_for_bit() {
-    run_cases(|c| c["recipe"] == "tensorwise", 7);
-}
-
-#[test]
-fn torchao_rowwise_bit_for_bit() {
-    run_cases(|c| c["recipe"] == "rowwise", 6);
-}
-
-#[test]
-fn torchao_rowwise_with_gw_hp_bit_for_bit() {
-    run_cases(|c| c["recipe"] == "rowwise_with_gw_hp", 4);
-}
-
-#[test]
-fn te_delayed_scaling_bit_for_bit() {
-    run_cases(|c| c["kind"] == "delayed", 8);
 }
