@@ -17,13 +17,17 @@ Two models, built from the same initial values on both sides:
   32->64, gelu, fc2 64->32, then head 32->10 (skipped); input [2, 8, 32].
 Modes: "fp32" (3 steps of SGD lr 0.05 momentum 0.9 on mse loss), "autocast" (fp32 weights,
 the forward under torch.autocast("cpu", bfloat16), 3 SGD steps), "bf16" (bf16 weights and
-input, 2 forward/backward passes, no optimizer). torchao's rowwise_with_gw_hp fails under
+input, 2 forward/backward passes, no optimizer), "o2" (Apex's O2 as tch-amp runs it: an fp16
+model fed `x.half()`, its output `.float()`, the loss times a static scale of 128, the fp16
+gradients copied to fp32 and unscaled by libtorch's `_amp_foreach_non_finite_check_and_unscale_`
+into fp32 masters, SGD on the masters, the model their fp16 copy). torchao's rowwise_with_gw_hp fails under
 autocast (its high-precision grad_weight GEMM gets a bf16 and an fp32 operand): not a case.
 "nonfinite": the tensorwise mlp with an inf in the input of step 0 and the delayed mlp with an
 inf in step 1's input.
 
 Per case `<case>/`: `init/<param>`; per step s `step<s>/`: `x`, `target`, `y` (the output),
-`loss`, `x_grad`, `grad/<param>`, `param/<param>` (after the optimizer step), for torchao the
+`loss`, `x_grad`, `grad/<param>` (the fp32 master's under "o2"), `param/<param>` (after the
+optimizer step), `master/<param>` under "o2", for torchao the
 scale of every cast `scale/<layer>/<role>` (role: input, weight, grad_output,
 weight_for_grad_input, grad_output_for_grad_weight, input_for_grad_weight), for delayed
 scaling the state after the step `state/<layer>/<role>/{amax_history,scale}` and the scales
@@ -163,37 +167,60 @@ def convert(model, kind, spec):
     return model
 
 
+LOSS_SCALE = 128.0
+
+
 def run_case(out, case):
     name, model_name, mode = case["name"], case["model"], case["mode"]
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "o2": torch.float16}.get(mode, torch.float32)
     model = convert(build(model_name, dtype), case["kind"], case)
     for p, t in model.named_parameters():
         out[f"{name}/init/{p}"] = t.detach().clone()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, foreach=False) if case["optimizer"] else None
+    params = dict(model.named_parameters())
+    # O2 (Apex, as tch-amp runs it): fp32 masters stepped by the optimizer, the fp16 model a copy.
+    masters = {p: t.detach().clone().float() for p, t in params.items()} if mode == "o2" else None
+    stepped = list(masters.values()) if masters else model.parameters()
+    opt = torch.optim.SGD(stepped, lr=LR, momentum=MOMENTUM, foreach=False) if case["optimizer"] else None
     for s in range(case["steps"]):
         pre = f"{name}/step{s}/"
-        x, target = data(model_name, s, dtype)
+        x, target = data(model_name, s, torch.float32 if mode == "o2" else dtype)
         if s == case.get("inf_step", -1):
             x.view(-1)[5] = float("inf")
         SCALES.clear()
         x.requires_grad_(True)
         if opt:
             opt.zero_grad()
+            model.zero_grad(set_to_none=True)
         if mode == "autocast":
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 y = model(x)
+        elif mode == "o2":
+            y = model(x.half()).float()
         else:
             y = model(x)
         loss = F.mse_loss(y.float(), target)
-        loss.backward()
+        if mode == "o2":
+            (loss * LOSS_SCALE).backward()
+            for p, t in params.items():
+                masters[p].grad = t.grad.float()
+            found_inf = torch.zeros(1, device=x.device)
+            inv = torch.full((1,), 1.0 / LOSS_SCALE, device=x.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in masters.values()], found_inf, inv)
+        else:
+            loss.backward()
         out[pre + "x"], out[pre + "target"] = x.detach().clone(), target
         out[pre + "y"], out[pre + "loss"] = y.detach().clone(), loss.detach().reshape(1).clone()
         out[pre + "x_grad"] = x.grad.clone()
-        for p, t in model.named_parameters():
-            out[pre + f"grad/{p}"] = t.grad.clone()
+        for p, t in params.items():
+            out[pre + f"grad/{p}"] = (masters[p].grad if masters else t.grad).clone()
         if opt:
             opt.step()
-        for p, t in model.named_parameters():
+        if masters:
+            with torch.no_grad():
+                for p, t in params.items():
+                    t.copy_(masters[p])
+                    out[pre + f"master/{p}"] = masters[p].detach().clone()
+        for p, t in params.items():
             out[pre + f"param/{p}"] = t.detach().clone()
         if case["kind"] == "torchao":
             for (layer, role), sc in SCALES.items():
@@ -233,6 +260,11 @@ def cases(device="cpu"):
         keep = ("tensorwise-mlp-fp32", "tensorwise-block-autocast", "rowwise-mlp-fp32", "rowwise-block-autocast",
                 "delayed0-mlp-fp32", "delayed0-block-autocast")
         return [c for c in out if c["name"] in keep]
+    for recipe, model_name in (("tensorwise", "mlp"), ("tensorwise", "block"), ("rowwise", "mlp")):
+        out.append(dict(name=f"{recipe}-{model_name}-o2", kind="torchao", recipe=recipe, model=model_name, mode="o2",
+                        steps=3, optimizer=True))
+    out.append(dict(name="delayed0-block-o2", kind="delayed", model="block", mode="o2", steps=4, optimizer=True,
+                    **delayed[0]))
     out.append(dict(name="tensorwise-mlp-nonfinite", kind="torchao", recipe="tensorwise", model="mlp",
                     mode="fp32", steps=1, optimizer=True, inf_step=0))
     out.append(dict(name="delayed0-mlp-nonfinite", kind="delayed", model="mlp", mode="fp32", steps=4,

@@ -35,7 +35,7 @@ fn delayed_scaling_resumes_bit_exactly() {
         let f = run_steps(
             &fx,
             &case,
-            Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8 },
+            Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8, io: None },
             Some((&mut amp, &mut opt)),
             0..2,
         );
@@ -58,7 +58,7 @@ fn delayed_scaling_resumes_bit_exactly() {
     let f = run_steps(
         &fx,
         &case,
-        Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8 },
+        Run { device: Device::Cpu, vs: &vs, model: &model, fp8: &fp8, io: None },
         Some((&mut amp, &mut opt)),
         2..5,
     );

@@ -7,7 +7,7 @@ use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::float8::Float8Training;
 use tch_amp::torch_amp::Autocast;
-use tch_amp::{Amp, AmpConfig, AmpOptimizer, CpuKernels, OptLevel};
+use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, LossScale, OptLevel};
 
 use super::models::{training, Model};
 use crate::common::reference::{bits_equal, describe_diff, Fixture};
@@ -25,14 +25,16 @@ pub fn load_init(fx: &Fixture, case: &str, vs: &VarStore) {
 /// One forward and backward pass (through `scale_loss` when there is an optimizer); returns
 /// the output and the loss.
 pub fn step(
-    device: Device,
-    model: &Model,
+    run: Run<'_>,
     x: &Tensor,
     target: &Tensor,
     autocast: bool,
     opt: Option<(&mut Amp, &mut AmpOptimizer)>,
 ) -> (Tensor, Tensor) {
-    let y = if autocast {
+    let Run { device, model, io, .. } = run;
+    let y = if let Some(io) = io {
+        io.cast_output(&model.forward(&io.cast_input(x)))
+    } else if autocast {
         Autocast::new(device).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).run(|| model.forward(x)).unwrap()
     } else {
         model.forward(x)
@@ -73,6 +75,8 @@ pub struct Run<'a> {
     pub vs: &'a VarStore,
     pub model: &'a Model,
     pub fp8: &'a Float8Training,
+    /// O2's input and output casts (None under O0).
+    pub io: Option<&'a AmpModel<()>>,
 }
 
 /// Runs `case` from step `from` (with the model, store and training given), comparing every
@@ -84,7 +88,7 @@ pub fn run_steps(
     mut opt: Option<(&mut Amp, &mut AmpOptimizer)>,
     steps: std::ops::Range<i64>,
 ) -> Vec<String> {
-    let Run { device, vs, model, fp8 } = run;
+    let Run { device, vs, fp8, io, .. } = run;
     let name = case["name"].as_str().unwrap();
     let autocast = case["mode"] == "autocast";
     let mut failures = Vec::new();
@@ -93,15 +97,27 @@ pub fn run_steps(
         let pre = format!("{name}/step{s}/");
         let x = fx.get(&format!("{pre}x")).to_device(device).set_requires_grad(true);
         let target = &fx.get(&format!("{pre}target")).to_device(device);
-        let (y, loss) = step(device, model, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
+        let (y, loss) = step(run, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
         check(&mut failures, &format!("{pre}y"), &y, fx.get(&format!("{pre}y")));
         check(&mut failures, &format!("{pre}loss"), &loss.reshape([1]), fx.get(&format!("{pre}loss")));
         check(&mut failures, &format!("{pre}x_grad"), &x.grad(), fx.get(&format!("{pre}x_grad")));
-        for (n, v) in &vars {
-            check(&mut failures, &format!("{pre}grad/{n}"), &v.grad(), fx.get(&format!("{pre}grad/{n}")));
+        // Under O2 the gradients compared are the fp32 masters'.
+        let grads: Vec<(String, Tensor)> = match (&opt, io) {
+            (Some((_, o)), Some(_)) => {
+                o.param_names().into_iter().map(String::from).zip(o.master_params().iter().map(Tensor::grad)).collect()
+            }
+            _ => vars.iter().map(|(n, v)| (n.clone(), v.grad())).collect(),
+        };
+        for (n, g) in &grads {
+            check(&mut failures, &format!("{pre}grad/{n}"), g, fx.get(&format!("{pre}grad/{n}")));
         }
         if let Some((_, opt)) = opt.as_mut() {
             assert!(opt.step().unwrap().stepped(), "{pre}: the step was skipped");
+            if io.is_some() {
+                for (n, m) in opt.param_names().into_iter().zip(opt.master_params()) {
+                    check(&mut failures, &format!("{pre}master/{n}"), &m, fx.get(&format!("{pre}master/{n}")));
+                }
+            }
         }
         for (n, v) in &vars {
             check(&mut failures, &format!("{pre}param/{n}"), v, fx.get(&format!("{pre}param/{n}")));
@@ -156,14 +172,24 @@ fn run_case(device: Device, fx: &Fixture, case: &serde_json::Value) -> Vec<Strin
     }
     load_init(fx, name, &vs);
     let steps = 0..case["steps"].as_i64().unwrap();
+    let run = Run { device, vs: &vs, model: &model, fp8: &fp8, io: None };
     if case["optimizer"].as_bool().unwrap() {
-        let mut amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
-        let _m = amp.cast_model(&vs, ()).unwrap();
+        // O2 as Apex: an fp16 model with fp32 masters, a static loss scale of 128, libtorch's
+        // fp16 kernels for the layers left in high precision (as PyTorch runs them).
+        let o2 = case["mode"] == "o2";
+        let config = if o2 {
+            AmpConfig::new(OptLevel::O2).loss_scale(LossScale::Static(128.0)).cpu_kernels(CpuKernels::Native)
+        } else {
+            AmpConfig::new(OptLevel::O0)
+        };
+        let mut amp = Amp::new(&config.verbosity(0)).unwrap();
+        let io = amp.cast_model(&vs, ()).unwrap();
         let sgd = tch::nn::Sgd { momentum: 0.9, ..Default::default() };
         let mut opt = amp.optimizer(&vs, sgd, 0.05).unwrap();
-        run_steps(fx, case, Run { device, vs: &vs, model: &model, fp8: &fp8 }, Some((&mut amp, &mut opt)), steps)
+        let run = Run { io: o2.then_some(&io), ..run };
+        run_steps(fx, case, run, Some((&mut amp, &mut opt)), steps)
     } else {
-        run_steps(fx, case, Run { device, vs: &vs, model: &model, fp8: &fp8 }, None, steps)
+        run_steps(fx, case, run, None, steps)
     }
 }
 
