@@ -95,7 +95,7 @@ pub fn run_steps(
     let vars = vs.variables();
     for s in steps {
         let pre = format!("{name}/step{s}/");
-        let x = fx.get(&format!("{pre}x")).to_device(device).set_requires_grad(true);
+        let x = fx.get(&format!("{pre}x")).copy().to_device(device).set_requires_grad(true);
         let target = &fx.get(&format!("{pre}target")).to_device(device);
         let (y, loss) = step(run, &x, target, autocast, opt.as_mut().map(|(a, o)| (&mut **a, &mut **o)));
         check(&mut failures, &format!("{pre}y"), &y, fx.get(&format!("{pre}y")));
