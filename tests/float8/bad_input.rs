@@ -95,8 +95,13 @@ fn bad_inputs_to_a_float8_layer_are_errors() {
         assert_eq!(f64_out.is_err(), recipe == "tensorwise", "{recipe}: fp64 input");
         let y = l.f_forward(&Tensor::ones([2, 3, 16], cpu())).unwrap();
         assert_eq!(y.size(), [2, 3, 32]);
-        // An empty batch runs (amax of nothing is an error in libtorch, reported as one).
-        let _ = l.f_forward(&Tensor::ones([0, 16], cpu()));
+        // An empty batch: the tensorwise amax of nothing is libtorch's error (torchao's too);
+        // rowwise gives an empty output, as torchao.
+        let empty = l.f_forward(&Tensor::ones([0, 16], cpu()));
+        match recipe {
+            "tensorwise" => assert!(empty.is_err(), "tensorwise: an empty batch"),
+            _ => assert_eq!(empty.unwrap().size(), [0, 32], "rowwise: an empty batch"),
+        }
         assert!(
             std::panic::catch_unwind(|| l.forward(&Tensor::ones([4, 8], cpu()))).is_err(),
             "Module::forward panics"
@@ -117,4 +122,19 @@ fn rowwise_with_gw_hp_under_autocast_fails_as_torchao_without_panicking() {
     assert_eq!(y.kind(), Kind::BFloat16);
     let err = y.to_kind(Kind::Float).sum(Kind::Float).f_backward().unwrap_err();
     assert!(err.to_string().contains("same dtype"), "{err}");
+}
+
+/// The tensors a float8 backward needs are saved as libtorch saves its own: a weight changed in
+/// place between forward and backward is an error of `backward`, not silently wrong gradients.
+#[test]
+fn a_weight_changed_in_place_before_backward_is_caught() {
+    let vs = VarStore::new(Device::Cpu);
+    let fp8 = Float8Training::new(Float8LinearConfig::default(), LayerFilter::all()).unwrap();
+    let l = fp8.linear(vs.root() / "l", 16, 16, Default::default()).unwrap();
+    let y = l.forward(&Tensor::ones([4, 16], cpu()));
+    tch::no_grad(|| {
+        let _ = l.ws.shallow_clone().g_mul_scalar_(2.0);
+    });
+    let err = y.sum(Kind::Float).f_backward().unwrap_err();
+    assert!(err.to_string().contains("modified by an inplace operation"), "{err}");
 }
