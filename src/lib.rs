@@ -89,8 +89,12 @@
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
 //! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
-//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: the scaler's ([`torch_amp::GradScalerOptions`],
-//!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
+//! - [`float8`] (`src/float8/`): FP8 training of linear layers, torchao's recipes
+//!   ([`float8::Float8LinearConfig`], [`float8::Float8Training`], [`float8::Float8Linear`])
+//!   and Transformer Engine's delayed scaling ([`float8::DelayedScaling`]).
+//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: the scaler's
+//!   ([`torch_amp::GradScalerOptions`],
+//!   [`torch_amp::ScalerOptimizer`] for any optimizer),
 //!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
 //! - [`error`] (`src/error/`): the groups of [`AmpError`], one per thing a caller can do
 //!   ([`error::ConfigError`], [`error::UsageError`], [`error::OpRefused`],
@@ -126,6 +130,7 @@ pub mod distributed;
 mod dtype;
 pub mod ema;
 pub mod error;
+pub mod float8;
 pub mod fp16_utils;
 pub mod model;
 pub mod optim;

@@ -795,3 +795,24 @@ fn torch_amp_runs_the_typical_loop_with_a_grad_scaler() {
     assert!(out.contains("grad_scaler: true") && out.contains("test accuracy"), "{out}");
     assert!(out.contains("4 steps"), "{out}");
 }
+
+#[test]
+fn float8_trains_saves_and_resumes_with_delayed_scaling() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let ckpt = dir.path().join("fp8.safetensors");
+    let common = ["--data", s(data.path()), "--train-size", "128", "--test-size", "64", "-b", "32", "--hidden", "32"];
+    let first: Vec<&str> =
+        common.iter().copied().chain(["--recipe", "delayed", "--autocast", "--checkpoint", s(&ckpt)]).collect();
+    let out = run_ok("float8", &first);
+    assert!(out.contains("float8 layers: [\"fc1\", \"fc2\"]") && out.contains("test accuracy"), "{out}");
+    assert!(out.contains("4 steps") && out.contains("checkpoint written"), "{out}");
+    let second: Vec<&str> = common.iter().copied().chain(["--recipe", "delayed", "--resume", s(&ckpt)]).collect();
+    let out = run_ok("float8", &second);
+    assert!(out.contains("resumed from") && out.contains("test accuracy"), "{out}");
+    let out = run_ok("float8", &common.iter().copied().chain(["--recipe", "rowwise"]).collect::<Vec<_>>());
+    assert!(out.contains("recipe rowwise"), "{out}");
+    let out = run("float8", &common.iter().copied().chain(["--recipe", "blockwise"]).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("recipe_name"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -14,6 +14,7 @@ use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
 use crate::scaling::AmpState;
+use crate::torch_io::{Dict, Key, Value};
 
 const FORMAT: &str = "tch-amp-checkpoint/4";
 /// The format before parameter groups had hyper-parameters (per-group learning rates only);
@@ -45,6 +46,76 @@ pub struct TrainingState {
     pub tensors: BTreeMap<String, Tensor>,
     /// Any JSON value (`serde_json::json!({"epoch": 3, "best_acc": 0.91})`); null saves none.
     pub value: serde_json::Value,
+}
+
+impl TrainingState {
+    /// Adds a component's state tree (a [`Value`] of dicts with string keys and tensor leaves,
+    /// such as [`crate::float8::Float8Training::state_dict`]) as tensors named
+    /// `<prefix>/<key>/<key>/...`; [`Self::tree`] reads it back.
+    ///
+    /// # Errors
+    /// [`StateError::StateMismatch`] for a leaf that is not a tensor, a key that is not a
+    /// string or holds `/`, or a name already taken.
+    pub fn insert_tree(&mut self, prefix: &str, tree: &Value) -> Result<()> {
+        let mut flat = Vec::new();
+        flatten(prefix, tree, &mut flat)?;
+        if let Some((name, _)) = flat.iter().find(|(n, _)| self.tensors.contains_key(n)) {
+            return Err(mismatch(format!("training state: {name} is taken")));
+        }
+        self.tensors.extend(flat);
+        Ok(())
+    }
+
+    /// The tree [`Self::insert_tree`] stored under `prefix` (an empty dict when there is none).
+    pub fn tree(&self, prefix: &str) -> Value {
+        let start = format!("{prefix}/");
+        let items: Vec<(Vec<&str>, &Tensor)> = self
+            .tensors
+            .iter()
+            .filter_map(|(name, t)| name.strip_prefix(&start).map(|rest| (rest.split('/').collect(), t)))
+            .collect();
+        unflatten(items)
+    }
+}
+
+/// The dict tree of `(key path, tensor)` pairs (sorted by path).
+fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
+    let mut groups: BTreeMap<&str, Vec<(Vec<&str>, &Tensor)>> = BTreeMap::new();
+    let mut leaves = Dict::new();
+    for (path, t) in items {
+        match path.split_first() {
+            Some((key, [])) => {
+                leaves.insert(*key, Value::Tensor(t.shallow_clone()));
+            }
+            Some((key, rest)) => groups.entry(key).or_default().push((rest.to_vec(), t)),
+            None => {}
+        }
+    }
+    for (key, children) in groups {
+        leaves.insert(key, unflatten(children));
+    }
+    Value::Dict(leaves)
+}
+
+fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+    match value {
+        Value::Tensor(t) => out.push((prefix.to_string(), t.shallow_clone())),
+        Value::Dict(d) => {
+            for (key, v) in d.iter() {
+                let Key::Str(k) = key else {
+                    return Err(mismatch(format!("training state: {prefix}: key {key} is not a string")));
+                };
+                if k.contains('/') || k.is_empty() {
+                    return Err(mismatch(format!("training state: {prefix}: key {k:?} is empty or holds '/'")));
+                }
+                flatten(&format!("{prefix}/{k}"), v, out)?;
+            }
+        }
+        other => {
+            return Err(mismatch(format!("training state: {prefix} is a {}, not a tensor or dict", other.type_name())))
+        }
+    }
+    Ok(())
 }
 
 /// Tensors of a [`TrainingState`] are stored under this prefix.

@@ -126,6 +126,18 @@ pub enum ConfigError {
         /// Its dtype.
         kind: Kind,
     },
+    /// A linear layer named explicitly in a float8 layer filter
+    /// ([`crate::float8::LayerFilter::only`]) that cannot train in float8: its dimensions are not
+    /// multiples of 16 (CUDA's `_scaled_mm` needs them), its weight is neither fp32, bf16 nor
+    /// fp16, or it is not 2-D. A layer selected by a prefix instead is skipped and reported
+    /// ([`crate::float8::ConversionReport`]).
+    #[error("layer {layer:?} cannot train in float8 ({reason}): leave it out of the filter")]
+    Float8LayerRefused {
+        /// The layer's VarStore path.
+        layer: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A call out of order, or with arguments that cannot work ([`AmpError::Usage`]): fix the

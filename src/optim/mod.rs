@@ -9,7 +9,7 @@ pub(crate) mod apex;
 mod engine;
 mod grads;
 pub(crate) mod groups;
-mod params;
+pub(crate) mod params;
 mod record;
 pub(crate) mod rule;
 pub(crate) mod rules;

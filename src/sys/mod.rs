@@ -14,6 +14,7 @@ use torch_sys::C_tensor;
 use crate::error::{AmpError, Result};
 
 mod autocast;
+pub(crate) mod autograd;
 pub(crate) mod cast;
 pub(crate) mod cpu;
 pub(crate) mod distributed;
