@@ -17,9 +17,12 @@ pub enum TorchCheckpointError {
     /// Strict loading: the model state dict and the `VarStore` hold different names (torch's
     /// `load_state_dict(strict=True)` refuses this too). `TorchLoadOptions::strict(false)`
     /// loads the names both have and reports the others.
+    /// When the two sides differ by a prefix on every key (a wrapper's `module.` or
+    /// `_orig_mod.` that [`super::KeyPrefix::Auto`] did not strip, or another), the message
+    /// names the [`super::KeyPrefix`] that fixes it.
     #[error(
-        "the model state dict does not match the VarStore: missing {missing:?}, unexpected {unexpected:?}; \
-         load with TorchLoadOptions::strict(false)"
+        "the model state dict does not match the VarStore: missing {missing:?}, unexpected {unexpected:?}; {}",
+        super::model::mismatch_remedy(.missing, .unexpected)
     )]
     KeysMismatch {
         /// `VarStore` variables the state dict lacks.
@@ -75,7 +78,7 @@ pub enum TorchCheckpointError {
         in_optimizer: usize,
     },
     /// A state dict of another optimizer class.
-    #[error("{path} is a torch.optim.{in_file} state, but optimizer {optimizer} is {in_optimizer}")]
+    #[error("{path} holds the state of a {in_file} optimizer, but optimizer {optimizer} is {in_optimizer}")]
     OptimizerKind {
         /// Which optimizer.
         optimizer: usize,
@@ -86,13 +89,11 @@ pub enum TorchCheckpointError {
         /// The optimizer's kind.
         in_optimizer: String,
     },
-    /// A hyper-parameter of a param group that differs from the optimizer's (tch-amp's
-    /// optimizers have one set of hyper-parameters besides the per-group learning rate), or
-    /// two learning rates for parameters of one tch parameter group.
-    #[error(
-        "{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: build the optimizer \
-         with the file's values (tch_amp::torch_checkpoint::optimizer_config reads them)"
-    )]
+    /// A hyper-parameter of a param group that differs from the optimizer's group's own under
+    /// [`super::TorchLoadOptions::strict_hyper_parameters`] (by default the file's values are
+    /// taken, as torch's `load_state_dict` takes them), or two values (learning rates,
+    /// hyper-parameters) that two of the file's groups give one parameter group of the optimizer.
+    #[error("{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: {remedy}")]
     HyperParameter {
         /// Which optimizer.
         optimizer: usize,
@@ -104,6 +105,21 @@ pub enum TorchCheckpointError {
         in_file: String,
         /// The optimizer's value.
         in_optimizer: String,
+        /// What to do.
+        remedy: String,
+    },
+    /// An optimizer whose update rule has no torch.optim or `apex.optimizers` form (a user's
+    /// [`crate::UpdateRule`]): a torch checkpoint cannot hold its state. tch-amp's own
+    /// checkpoints ([`crate::save_checkpoint`]) hold any rule's.
+    #[error(
+        "optimizer {optimizer} runs the update rule {kind:?}, which has no torch.optim or apex.optimizers form: save \
+         it with tch_amp::save_checkpoint"
+    )]
+    NoTorchForm {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Its rule's kind ([`crate::UpdateRule::kind`]).
+        kind: String,
     },
     /// torch's parameter order (the `params` lists of `param_groups`) cannot be mapped onto
     /// the optimizer's parameters without guessing.
@@ -116,6 +132,18 @@ pub enum TorchCheckpointError {
         optimizer: usize,
         /// Why.
         reason: String,
+    },
+    /// The checkpoint dict lacks an entry the options say to read (the model's, an
+    /// optimizer's, the loss scalers', the master parameters'). The message names the option
+    /// that names the entry, or leaves it out.
+    #[error("the checkpoint has no {key:?} entry ({holds}): {remedy}")]
+    MissingEntry {
+        /// The key looked for.
+        key: String,
+        /// What it would hold.
+        holds: &'static str,
+        /// The option to use.
+        remedy: &'static str,
     },
     /// A value with the right type but an impossible content (a negative `step`, a state for a
     /// parameter index no group lists, a parameter listed twice, ...).

@@ -26,6 +26,7 @@ mod records;
 use masters::HalfGrads;
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
+pub(crate) use records::ParamLayout;
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
