@@ -118,6 +118,27 @@ enum Stage {
     Stepped,
 }
 
+/// Which front door drives an optimizer, so that its errors speak that API's words: Apex's
+/// `scale_loss` (the default, and after every `scale_loss`), or torch.amp's `GradScaler` (after
+/// `scaler.step(&mut opt)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum FrontDoor {
+    #[default]
+    Apex,
+    TorchAmp,
+}
+
+/// A call-order error in the words of `door`: (when, remedy) for Apex's and torch.amp's.
+fn call_order(
+    door: FrontDoor,
+    call: &'static str,
+    apex: (&'static str, &'static str),
+    torch_amp: (&'static str, &'static str),
+) -> AmpError {
+    let (when, remedy) = if door == FrontDoor::TorchAmp { torch_amp } else { apex };
+    AmpError::Usage(UsageError::CallOrder { call, when, remedy })
+}
+
 /// How an [`crate::Amp`] sets up the optimizers it makes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OptimizerSetup {
@@ -158,6 +179,8 @@ pub struct AmpOptimizer {
     last_overflow: Option<OverflowReport>,
     steps: u64,
     skipped: u64,
+    /// The API that drove the last step, for the words of call-order errors.
+    door: FrontDoor,
 }
 
 impl AmpOptimizer {
@@ -211,6 +234,7 @@ impl AmpOptimizer {
             last_overflow: None,
             steps: 0,
             skipped: 0,
+            door: FrontDoor::default(),
         })
     }
 
@@ -483,11 +507,16 @@ impl AmpOptimizer {
                         when: "while the gradients are still scaled (the last scale_loss used delay_unscale)",
                         remedy: "run a scale_loss without delay_unscale before stepping",
                     })),
-                    Stage::Stepped if !legacy => Some(AmpError::Usage(UsageError::CallOrder {
-                        call: "step()",
-                        when: "twice with no scale_loss in between",
-                        remedy: "per update: zero_grad(), scale_loss(..), step()",
-                    })),
+                    Stage::Stepped if !legacy => Some(call_order(
+                        self.door,
+                        "step()",
+                        ("twice with no scale_loss in between", "per update: zero_grad(), scale_loss(..), step()"),
+                        (
+                            "twice with no backward in between (scaler.step(&mut opt) already stepped it)",
+                            "per update: zero_grad(), scaler.scale(&loss)?.backward(), scaler.step(&mut opt)?, \
+                             scaler.update()?; scaler.step calls step() itself",
+                        ),
+                    )),
                     Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
                         // O2's fp16 gradients without masters' are named by check_gradients.
                         self.check_gradients(false)?;
@@ -554,17 +583,29 @@ impl AmpOptimizer {
     /// `scale_loss` pass (unless `scale_loss` passes the loss through and backward ran), or on
     /// still-scaled gradients.
     fn check_clip_stage(&self) -> Result<()> {
-        let when = match &*self.stage() {
-            Stage::Scaled => "while the gradients are still scaled (the last scale_loss used delay_unscale)",
-            Stage::Stepped => "after step() and before the next scale_loss",
-            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => "before scale_loss",
+        let (apex, torch_amp) = match &*self.stage() {
+            Stage::Scaled => {
+                let when = "while the gradients are still scaled (the last scale_loss used delay_unscale)";
+                (when, when)
+            }
+            Stage::Stepped => {
+                ("after step() and before the next scale_loss", "after step() and before the next backward")
+            }
+            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => ("before scale_loss", "before backward"),
             _ => return Ok(()),
         };
-        Err(AmpError::Usage(UsageError::CallOrder {
-            call: "clip_grad_norm()",
-            when,
-            remedy: "clip after scale_loss returns, before step()",
-        }))
+        Err(call_order(
+            self.door,
+            "clip_grad_norm()",
+            (apex, "clip after scale_loss returns, before step()"),
+            (torch_amp, "clip after scaler.unscale_(&opt)?, before scaler.step(&mut opt)?"),
+        ))
+    }
+
+    /// torch.amp's `GradScaler` steps this optimizer: its call-order errors speak of
+    /// `scaler.step` and `scaler.update` from now on (until the next `scale_loss`).
+    pub(crate) fn note_scaler_step(&mut self) {
+        self.door = FrontDoor::TorchAmp;
     }
 
     /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
