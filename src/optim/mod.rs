@@ -23,7 +23,7 @@ pub(crate) use grads::check_clip_args;
 pub use grads::{non_finite_check_, unscale_};
 pub(crate) use groups::resolve;
 pub(crate) use groups::ParamGroup;
-pub(crate) use params::build_entries;
+pub(crate) use params::{build_entries, torch_param_order};
 pub use record::{GroupRecord, OptimizerRecord, ParamRecord};
 pub(crate) use rule::UpdateRule;
 pub use rule::{GroupView, HyperParams, ParamState, ParamView, StateShape, StateSpec};

@@ -10,7 +10,7 @@ use super::error::TorchCheckpointError;
 use super::options::{KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use crate::dtype::{is_floating, is_low_precision};
 use crate::error::{AmpError, TorchContext};
-use crate::optim::OptimizerRecord;
+use crate::optim::{torch_param_order, OptimizerRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
 /// The prefixes [`KeyPrefix::Auto`] strips: `module.` (`nn.DataParallel`,
@@ -238,26 +238,6 @@ pub(super) fn creation_order(vs: &VarStore) -> Result<Vec<String>> {
         }
     }
     Ok(out)
-}
-
-/// Creation order with each module's `weight` moved right before its `bias`: tch's linear and
-/// convolution layers create the bias first, torch's modules register the weight first (tch's
-/// other layers, batch norm, layer norm, group norm and the RNNs, create theirs in torch's order).
-pub(super) fn torch_param_order(mut names: Vec<String>) -> Vec<String> {
-    let mut i = 0;
-    while i < names.len() {
-        let module = names[i].strip_suffix("bias").filter(|m| m.is_empty() || m.ends_with('.')).map(str::to_string);
-        if let Some(m) = module {
-            let weight = format!("{m}weight");
-            if let Some(j) = names[i + 1..].iter().position(|n| *n == weight) {
-                let w = names.remove(i + 1 + j);
-                names.insert(i, w);
-                i += 1;
-            }
-        }
-        i += 1;
-    }
-    names
 }
 
 /// The VarStore's names in torch's `state_dict()` order as far as tch can know it: modules in

@@ -405,7 +405,7 @@ pub fn default_param_order(optimizer: &AmpOptimizer) -> TorchParamOrder {
             let mut members: Vec<(usize, &str)> =
                 layout.iter().zip(&names).filter(|(l, _)| l.slot == slot).map(|(l, n)| (l.order, *n)).collect();
             members.sort_by_key(|&(order, name)| (order, name.to_string()));
-            super::model::torch_param_order(members.into_iter().map(|(_, n)| n.to_string()).collect())
+            crate::optim::torch_param_order(members.into_iter().map(|(_, n)| n.to_string()).collect())
         })
         .collect()
 }

@@ -97,6 +97,17 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
+/// The entries' indices in torch's order: the model's creation order with each module's weight
+/// before its bias (see [`crate::optim::torch_param_order`]).
+fn torch_order(entries: &[ParamEntry]) -> Vec<usize> {
+    let mut by_creation: Vec<(usize, &str)> = entries.iter().map(|e| (e.order(), e.name())).collect();
+    by_creation.sort_by_key(|&(order, name)| (order, name.to_string()));
+    let names = super::params::torch_param_order(by_creation.iter().map(|(_, n)| n.to_string()).collect());
+    let index: std::collections::HashMap<&str, usize> =
+        entries.iter().enumerate().map(|(i, e)| (e.name(), i)).collect();
+    names.iter().filter_map(|n| index.get(n.as_str()).copied()).collect()
+}
+
 /// Where an optimizer stands in the per-step order `zero_grad` -> `scale_loss` (one pass or
 /// more) -> `clip_grad_norm` -> `step`, as torch's GradScaler keeps an `OptState` per
 /// optimizer. Every call checks it; a call out of order is a typed error that changes nothing.
@@ -225,6 +236,7 @@ impl AmpOptimizer {
             }
         }
         let stash = entries.iter().map(|_| None).collect();
+        inner.set_step_order(torch_order(&entries));
         Ok(Self {
             setup,
             inner,
@@ -343,6 +355,7 @@ impl AmpOptimizer {
             self.entries.push(e);
             self.stash.push(None);
         }
+        self.inner.set_step_order(torch_order(&self.entries));
         Ok(id)
     }
 
