@@ -1234,3 +1234,156 @@ fn nanogpt_checkpoints_resume_both_ways_bit_for_bit() {
     );
     assert!(bad.is_empty(), "{} differences:\n{}", bad.len(), bad.join("\n"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Apex's optimizers in torch files
+
+/// Deterministic data for the MLP of the scenarios: inputs [32, 16], classes [32].
+fn mlp_batch(step: i64) -> (Tensor, Tensor) {
+    let x = (Tensor::arange(32 * 16, (Kind::Float, Device::Cpu)) * 0.37 + step as f64).sin().view([32, 16]);
+    let y = (Tensor::arange(32, (Kind::Int64, Device::Cpu)) * 3 + step).remainder(10);
+    (x, y)
+}
+
+/// Apex's optimizers (two groups: weight decay on the weights, none on biases and batch norm;
+/// O0 and O2) through torch files: each group with Apex's own keys (as its constructor's
+/// `defaults` write them, plus `step`), the group step and the state restored, the run
+/// continuing bit for bit; `optimizer_config` reads the class back; an optimizer running a
+/// user's rule is a typed error naming it; a `'master params'` list out of order is refused
+/// by shape, nothing changed.
+#[test]
+fn apex_optimizers_round_trip_through_torch_files() {
+    use tch_amp::optim::{GroupView, HyperParams, StateSpec};
+    use tch_amp::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, ParamGroup, UpdateRule};
+    tch::set_num_threads(1);
+    let configs: [(OptimizerConfig, &[&str]); 5] = [
+        (
+            FusedSgd { momentum: 0.9, ..Default::default() }.into(),
+            &["lr", "momentum", "dampening", "weight_decay", "nesterov"],
+        ),
+        (FusedAdam::default().into(), &["lr", "bias_correction", "betas", "eps", "weight_decay", "step"]),
+        (
+            FusedLamb::default().into(),
+            &["lr", "bias_correction", "betas", "eps", "weight_decay", "grad_averaging", "max_grad_norm", "step"],
+        ),
+        (
+            FusedNovoGrad::default().into(),
+            &[
+                "lr",
+                "bias_correction",
+                "betas",
+                "eps",
+                "weight_decay",
+                "grad_averaging",
+                "norm_type",
+                "init_zero",
+                "step",
+                "exp_avg_sq",
+            ],
+        ),
+        (FusedAdagrad::default().into(), &["lr", "eps", "weight_decay"]),
+    ];
+    let groups = [
+        ParamGroup::matching(|n| n.ends_with("weight") && !n.starts_with("bn")).weight_decay(0.01),
+        ParamGroup::rest().weight_decay(0.0),
+    ];
+    let make = |level: OptLevel, config: OptimizerConfig| {
+        let vs = VarStore::new(Device::Cpu);
+        let net = net(&vs, "adam_o0");
+        let _g = tch::no_grad_guard();
+        for (i, (_, v)) in vs.variables().iter().filter(|(n, _)| !n.contains("running")).enumerate() {
+            let init = (Tensor::arange(v.numel() as i64, (Kind::Float, Device::Cpu)) * 0.7 + i as f64).sin() * 0.3;
+            v.shallow_clone().copy_(&init.view(v.size().as_slice()));
+        }
+        let amp = Amp::new(&AmpConfig::new(level).verbosity(0).emulate_low_precision_on_cpu(false)).unwrap();
+        let model = amp.cast_model(&vs, net).unwrap();
+        let opt = amp.optimizer_groups(&vs, config, 1e-2, &groups).unwrap();
+        Setup { vs, model, opt, amp, dynamic: false }
+    };
+    let steps = |s: &mut Setup, from: i64, n: i64| {
+        for step in from..from + n {
+            let (x, y) = mlp_batch(step);
+            s.opt.zero_grad().unwrap();
+            let loss = s.model.forward_t(&x, true).cross_entropy_for_logits(&y);
+            s.amp.scale_loss(&loss, &mut [&mut s.opt], |l| l.backward()).unwrap();
+            s.opt.step().unwrap();
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for level in [OptLevel::O0, OptLevel::O2] {
+        for (config, keys) in &configs {
+            let what = format!("{} {level}", config.name());
+            let mut a = make(level, *config);
+            steps(&mut a, 0, 3);
+            let path = dir.path().join("apex.pt");
+            let options = TorchSaveOptions::new().master_params(0, "master params");
+            save_torch_checkpoint(&path, &a.vs, &[&a.opt], &a.amp, &options).unwrap();
+            let tree = torch_io::load(&path).unwrap();
+            let groups = tree.get("optimizer").unwrap().get("param_groups").unwrap();
+            for g in groups.elements().unwrap() {
+                let got: Vec<String> =
+                    g.as_dict().unwrap().keys().map(|k| k.to_string().trim_matches('"').to_string()).collect();
+                let mut want: Vec<&str> = keys.to_vec();
+                want.extend(["param_names", "params"]);
+                let mut got_sorted = got.clone();
+                got_sorted.sort();
+                want.sort();
+                assert_eq!(got_sorted, want, "{what}: group keys {got:?}");
+            }
+            let (config_back, lr) =
+                torch_checkpoint::optimizer_config(&tree.get("optimizer").unwrap().value().shallow_clone()).unwrap();
+            assert_eq!((config_back.name(), lr), (config.name(), 1e-2), "{what}");
+            let mut b = make(level, *config);
+            let load = TorchLoadOptions::new().master_params(0, "master params");
+            load_torch_checkpoint(&path, &b.vs, &mut [&mut b.opt], &mut b.amp, &load).unwrap();
+            steps(&mut a, 3, 3);
+            steps(&mut b, 3, 3);
+            let (sa, sb) = (snapshot(&a), snapshot(&b));
+            // FusedSGD and FusedAdagrad keep no step count (their updates do not read one).
+            let counts = !matches!(config.name(), "fused_sgd" | "fused_adagrad");
+            for ((n, x), (_, y)) in sa.iter().zip(&sb) {
+                let step = n.starts_with("step/") || n == "scalars";
+                assert!((step && !counts) || bits_equal(x, y), "{what}: {n} differs after the round trip");
+            }
+            let groups = |s: &Setup| {
+                let mut g = s.opt.to_record().groups;
+                g.iter_mut().filter(|_| !counts).for_each(|g| g.step = 0);
+                g
+            };
+            assert_eq!(groups(&a), groups(&b), "{what}: groups");
+            // 'master params' out of order: refused by shape, nothing changed.
+            let mut bad = torch_io::load(&path).unwrap();
+            let Value::List(list) = bad.get_mut("master params").unwrap() else { panic!() };
+            list.swap(0, 1);
+            let before = snapshot(&b);
+            let e = load_torch_checkpoint_value(bad, &b.vs, &mut [&mut b.opt], &mut b.amp, &load).unwrap_err();
+            assert!(
+                matches!(&e, TorchCheckpointError::ShapeMismatch { path, .. } if path.starts_with("[\"master params\"]")),
+                "{what}: {e}"
+            );
+            assert!(same_snapshot(&before, &snapshot(&b)), "{what}");
+        }
+    }
+    // A user's rule has no torch form.
+    #[derive(Debug)]
+    struct Plain;
+    impl UpdateRule for Plain {
+        fn kind(&self) -> &str {
+            "plain_sgd"
+        }
+        fn defaults(&self) -> HyperParams {
+            HyperParams::new()
+        }
+        fn state_spec(&self, _: &HyperParams) -> Vec<StateSpec> {
+            Vec::new()
+        }
+        fn step(&self, _: &mut [GroupView<'_>]) -> tch_amp::Result<()> {
+            Ok(())
+        }
+    }
+    let s = make(OptLevel::O0, FusedSgd::default().into());
+    let opt = s.amp.optimizer_with_rule(&s.vs, Plain, 0.1, &[]).unwrap();
+    let e = torch_checkpoint::torch_checkpoint_value(&s.vs, &[&opt], &s.amp, &TorchSaveOptions::new()).unwrap_err();
+    println!("{e}");
+    assert!(matches!(&e, TorchCheckpointError::NoTorchForm { optimizer: 0, kind } if kind == "plain_sgd"), "{e}");
+}

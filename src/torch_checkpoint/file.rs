@@ -436,7 +436,9 @@ pub fn param_order_from_torch(
 /// `amp.optimizer(&vs, config, lr)`, or the defaults of `amp.optimizer_groups` whose groups
 /// then take each file group's own values when the checkpoint loads. Options Apex reads from
 /// the optimizer rather than its groups (`adam_w_mode`, `use_nvlamb`, ...) are not in the file:
-/// they are Apex's defaults here.
+/// they are Apex's defaults here. An SGD group without torch's `maximize`, `foreach` and
+/// `differentiable` keys (which torch has written since 1.11) is Apex's FusedSGD (the same
+/// update as torch.optim.SGD).
 ///
 /// # Errors
 /// [`TorchCheckpointError`] (`BadValue`) for a state dict of another class than torch.optim's

@@ -25,7 +25,7 @@ use super::error::TorchCheckpointError as E;
 use super::options::TorchParamOrder;
 use crate::dtype::is_floating;
 use crate::error::TorchContext;
-use crate::optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, NovoGradNorm};
+use crate::optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, NovoGradNorm};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerConfig, OptimizerRecord, ParamRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -1205,7 +1205,10 @@ fn novograd_norms(
 pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)> {
     let groups = node.get("param_groups")?.elements()?;
     let g = groups.first().ok_or_else(|| E::BadValue { path: node.path(), message: "no param groups".into() })?;
+    let torch_2 = |k: &str| g.get_opt(k).map(|n| n.is_some());
     let class: &Class = match FileKind::of(g)? {
+        // Apex's FusedSGD writes torch.optim.SGD's keys of before `maximize` (torch 1.11) only.
+        FileKind::Sgd if !(torch_2("maximize")? || torch_2("foreach")? || torch_2("differentiable")?) => &FUSED_SGD,
         FileKind::Sgd => &SGD,
         FileKind::Adam => &ADAM,
         FileKind::AdamW => &ADAMW,
@@ -1233,6 +1236,14 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
             _ => false,
         };
     let config: OptimizerConfig = match class.kind {
+        "fused_sgd" => FusedSgd {
+            momentum: get("momentum"),
+            dampening: get("dampening"),
+            weight_decay: get("weight_decay"),
+            nesterov: on("nesterov"),
+            ..FusedSgd::default()
+        }
+        .into(),
         "sgd" => nn::Sgd {
             momentum: get("momentum"),
             dampening: get("dampening"),
