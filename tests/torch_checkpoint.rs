@@ -26,7 +26,7 @@ use tch::{Device, Kind, Tensor};
 use tch_amp::torch_checkpoint::{
     self, load_torch_checkpoint_value, KeyPrefix, TorchCheckpointError, TorchLoadOptions, TorchSaveOptions,
 };
-use tch_amp::torch_io::{self, Dict, Key, TorchIoError, Value};
+use tch_amp::torch_io::{self, Dict, Key, Seg, TorchIoError, Value};
 use tch_amp::{
     load_torch_checkpoint, save_torch_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel,
     OptimizerConfig,
@@ -569,34 +569,8 @@ fn saved_layouts_main_amp_prefix_counters_and_option_errors() {
 
 /// Applies `f` to the value at `path` (dict keys) of `tree`.
 fn edit(tree: &mut Value, path: &[&str], f: impl FnOnce(&mut Value)) {
-    // Dict has no get_mut: take the entry out, edit it, put it back in place.
-    fn go(v: &mut Value, path: &[&str], f: Box<dyn FnOnce(&mut Value) + '_>) {
-        match path.split_first() {
-            None => f(v),
-            Some((k, rest)) => {
-                let Value::Dict(d) = v else { panic!("not a dict at {k}") };
-                let keys: Vec<Key> = d.keys().cloned().collect();
-                let key = keys
-                    .iter()
-                    .find(|x| x.to_string().trim_matches('"') == *k)
-                    .unwrap_or_else(|| panic!("no {k}"))
-                    .clone();
-                let mut entries: Vec<(Key, Value)> = keys.iter().map(|x| (x.clone(), d.remove(x).unwrap())).collect();
-                for (x, e) in entries.iter_mut() {
-                    if *x == key {
-                        let mut taken = std::mem::replace(e, Value::None);
-                        go(&mut taken, rest, f);
-                        *e = taken;
-                        break;
-                    }
-                }
-                for (x, e) in entries {
-                    d.insert(x, e);
-                }
-            }
-        }
-    }
-    go(tree, path, Box::new(f));
+    let segs: Vec<Seg> = path.iter().map(|k| Seg::from(*k)).collect();
+    f(tree.path_mut(&segs).unwrap_or_else(|e| panic!("{e}")));
 }
 
 fn checkpoint_bytes(tree: &Value) -> Vec<u8> {
