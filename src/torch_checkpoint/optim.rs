@@ -906,13 +906,8 @@ pub(super) fn record_from_node(
         if class.group_step && !p.buffers.is_empty() {
             p.step = group_records[slot].step;
         }
-        let counted = if class.group_step {
-            p.step
-        } else if class.param_step {
-            p.step
-        } else {
-            1
-        };
+        // Classes that count steps (per group or per parameter) must have counted one.
+        let counted = if class.group_step || class.param_step { p.step } else { 1 };
         if !p.buffers.is_empty() && counted == 0 {
             return Err(E::BadValue {
                 path: format!("{}.state (parameter {})", node.path(), p.name),
@@ -948,10 +943,9 @@ pub(super) fn record_from_node(
 
 /// What to do about a value that differs between the file and the optimizer (strict) or
 /// between two file groups.
-fn group_remedy() -> String {
-    "torch keeps one value per parameter group: give those parameters the same group in the file (or \
-     their own parameter groups here)"
-        .into()
+fn group_remedy() -> &'static str {
+    "torch keeps one value per parameter group: give those parameters the same group in the file (or their own \
+     parameter groups here)"
 }
 
 /// The error of a strict load for a value of file group `g` other than the optimizer's.
@@ -964,8 +958,7 @@ fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimi
         in_optimizer,
         remedy: "TorchLoadOptions::strict_hyper_parameters refuses values other than the optimizer's: load without \
                  it to take the file's (as torch's load_state_dict does), or build the optimizer with the file's \
-                 values"
-            .into(),
+                 values",
     }
 }
 
