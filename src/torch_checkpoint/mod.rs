@@ -4,8 +4,10 @@
 //! `torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp':
 //! amp.state_dict(), 'epoch': e}, path)`, or Apex's imagenet example (`main_amp.py`:
 //! `{'epoch', 'arch', 'state_dict', 'best_prec1', 'optimizer'}`, with [`TorchLoadOptions::main_amp`])
-//! — in any container `torch.save` has written (zip, legacy, tar; see [`crate::torch_io`]) into
-//! a VarStore, [`crate::AmpOptimizer`]s and an [`crate::Amp`]. [`crate::save_torch_checkpoint`] writes the mirror:
+//! — or what a torch.amp script saved (`{'model', 'optimizer', 'scaler': scaler.state_dict()}`),
+//! in any container `torch.save` has written (zip, legacy, tar; see [`crate::torch_io`]) into
+//! a VarStore, [`crate::AmpOptimizer`]s and the loss scalers: an [`crate::Amp`], torch.amp's
+//! [`crate::GradScaler`]s, or none ([`crate::scaling::CheckpointScalers`]). [`crate::save_torch_checkpoint`] writes the mirror:
 //! the dict the Python script's resume code reads with `model.load_state_dict`,
 //! `optimizer.load_state_dict` and `amp.load_state_dict`, loadable with
 //! `torch.load(path, weights_only=True)`, written atomically.
@@ -88,9 +90,13 @@
 //!   too. A state dict Apex wrote under O2 holds the fp16 model cast to fp32 (its state-dict
 //!   hook does not read the masters), so the masters' low bits were already lost when the
 //!   Python run saved; tch-amp's own checkpoints ([`crate::save_checkpoint`]) and
-//!   [`crate::save_torch_checkpoint`]'s files hold the masters and resume bit-exactly.
-//! - **Amp**: Apex's `{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}` (or a
-//!   `GradScaler.state_dict()`) into the scalers, checked as [`crate::Amp::load_state_dict`] checks it.
+//!   [`crate::save_torch_checkpoint`]'s files hold the masters and resume bit-exactly, and so
+//!   does an Apex-era file with `'master params'` ([`TorchLoadOptions::master_params`]).
+//! - **Scalers**: Apex's `{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}` (or a
+//!   `GradScaler.state_dict()`) into an `Amp`'s scalers, checked as
+//!   [`crate::Amp::load_state_dict`] checks it; `scaler.state_dict()` into a GradScaler. An
+//!   entry the options name that the file lacks is [`TorchCheckpointError::MissingEntry`],
+//!   which names the option that leaves it out.
 //!
 //! ## How a resumed run differs from Apex's own resume
 //! Resumed here, a run continues bit for bit as a Python run continues from the file's values
@@ -119,7 +125,8 @@
 //! flags as torch 2.13 writes them, 'param_names', 'params': [index, ...]}]}`; Apex's: its group
 //! keys and group `step`), one torch group per parameter group of the optimizer with that
 //! group's own values ([`default_param_order`], or [`TorchSaveOptions::param_order`]), and
-//! `amp` (`{'loss_scaler0': {'loss_scale': float, 'unskipped': int}}`). A user's
+//! `amp` (`{'loss_scaler0': {'loss_scale': float, 'unskipped': int}}`) or `scaler`
+//! (`scaler.state_dict()`), and, when asked, `'master params'`. A user's
 //! [`crate::UpdateRule`] has no torch form: [`TorchCheckpointError::NoTorchForm`]. A Python
 //! script resumes the file with its usual code; under O2 Apex then rounds the masters to the
 //! fp16 model and round-trips the state through fp16 as above, so only a resume that builds its
