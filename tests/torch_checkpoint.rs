@@ -3,7 +3,9 @@
 //! zip and legacy containers) resume in Rust and continue bit for bit as Python continues from
 //! the same file; checkpoints Rust wrote load in Python with `weights_only=True` and continue bit
 //! for bit as the Rust run continues; bad files give typed errors and change nothing; a seeded
-//! fuzz of the checkpoint-level loader.
+//! fuzz of the checkpoint-level loader; nanoGPT's checkpoint logic both ways (torch.amp fp16, a
+//! GradScaler, per-group weight decay, a tied embedding, `_orig_mod.` keys; its Python side is
+//! scripts/reference/ported_checkpoints.py); Apex's optimizers through torch files.
 //!
 //! The Python side is scripts/reference/torch_checkpoint_fixtures.py (its docstring describes
 //! the model, the scenarios and how O2 is done by hand), run with the venv's python
