@@ -13,13 +13,19 @@ use crate::config::OptLevel;
 use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
-use crate::scaling::AmpState;
+use crate::scaling::{AmpState, CheckpointScalers};
 use crate::torch_io::{Dict, Key, Value};
 
-const FORMAT: &str = "tch-amp-checkpoint/4";
+const FORMAT: &str = "tch-amp-checkpoint/5";
+/// The format before checkpoints without an `Amp` (torch.amp's GradScalers, or none): an opt
+/// level and Apex's scalers always; still read.
+const FORMAT_4: &str = "tch-amp-checkpoint/4";
 /// The format before parameter groups had hyper-parameters (per-group learning rates only);
 /// still read.
 const FORMAT_3: &str = "tch-amp-checkpoint/3";
+/// The tensor holding torch.amp's scaler state (format 5, no `Amp`): the bytes of the
+/// `torch.save` file of `scaler.state_dict()` (a list of them for several scalers).
+const SCALER_TENSOR: &str = "scaler";
 const METADATA_KEY: &str = "tch_amp";
 
 /// The checkpoint's metadata. Every field is required; unknown fields are an error.
@@ -27,8 +33,12 @@ const METADATA_KEY: &str = "tch_amp";
 #[serde(deny_unknown_fields)]
 struct Metadata {
     format: String,
-    opt_level: OptLevel,
-    amp: AmpState,
+    /// The `Amp`'s opt level (absent in a format-5 checkpoint saved without an `Amp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    opt_level: Option<OptLevel>,
+    /// The `Amp`'s scalers (absent without an `Amp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    amp: Option<AmpState>,
     optimizers: Vec<OptimizerMeta>,
     /// The caller's value of [`TrainingState`] (absent when null).
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
@@ -264,14 +274,21 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
     Ok((out, metas))
 }
 
-/// Writes model variables, optimizer records and the AMP state to `path` atomically (a
-/// temporary file in the same folder, synced, renamed over `path`, the folder synced).
+/// Writes model variables, optimizer records and the loss scalers' state to `path` atomically
+/// (a temporary file in the same folder, synced, renamed over `path`, the folder synced).
+/// `scalers`: an [`Amp`] (its opt level and scalers are recorded), a [`crate::GradScaler`] or a
+/// slice of them (torch.amp's path: no `Amp` needed), or `&()` for none.
 ///
 /// # Errors
 /// [`AmpError::Io`](crate::AmpError::Io) when the file cannot be written (any previous file at `path` is left
 /// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
-pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&AmpOptimizer], amp: &Amp) -> Result<()> {
-    save_checkpoint_with(path, vs, optimizers, amp, &TrainingState::default())
+pub fn save_checkpoint<S: CheckpointScalers + ?Sized>(
+    path: impl AsRef<Path>,
+    vs: &VarStore,
+    optimizers: &[&AmpOptimizer],
+    scalers: &S,
+) -> Result<()> {
+    save_checkpoint_with(path, vs, optimizers, scalers, &TrainingState::default())
 }
 
 /// [`save_checkpoint`] with the rest of a training state (`extra`) in the same file and the
@@ -280,11 +297,11 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
 ///
 /// # Errors
 /// As [`save_checkpoint`].
-pub fn save_checkpoint_with(
+pub fn save_checkpoint_with<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
-    amp: &Amp,
+    scalers: &S,
     extra: &TrainingState,
 ) -> Result<()> {
     let path = path.as_ref();
@@ -294,6 +311,12 @@ pub fn save_checkpoint_with(
         tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
     }
     let save_err = |message: String| AmpError::write(path, std::io::Error::other(message));
+    let amp = scalers.as_amp();
+    if amp.is_none() && scalers.torch_key().is_some() {
+        let bytes = crate::torch_io::save_bytes(&scalers.scaler_state())
+            .map_err(|e| save_err(format!("the scaler state: {e}")))?;
+        tensors.insert(SCALER_TENSOR.into(), HostTensor { dtype: Dtype::U8, shape: vec![bytes.len()], bytes });
+    }
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(k, h)| {
@@ -304,8 +327,8 @@ pub fn save_checkpoint_with(
         .collect::<Result<_>>()?;
     let meta = Metadata {
         format: FORMAT.to_string(),
-        opt_level: amp.properties().opt_level(),
-        amp: amp.state_dict(),
+        opt_level: amp.map(|a| a.properties().opt_level()),
+        amp: amp.map(Amp::state_dict),
         optimizers,
         extra: extra.value.clone(),
     };
@@ -393,7 +416,9 @@ fn read_record(
 }
 
 /// Restores what [`save_checkpoint`] wrote into the same kind of setup (same opt level, same
-/// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`).
+/// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`; the
+/// same kind of `scalers`: an [`Amp`] for a checkpoint saved with one, the GradScaler(s) or `()`
+/// for one saved without).
 /// Variables keep their current dtype: fp16 model variables are set to the saved fp32 values
 /// rounded, which is exact for values saved from fp16 or from masters (unlike `VarStore::load`,
 /// nothing is silently recast). Everything is checked before anything is changed: the metadata
@@ -409,28 +434,64 @@ fn read_record(
 /// # Errors
 /// [`AmpError::Io`] if the file cannot be read; [`StateError::StateMismatch`] for a foreign or
 /// damaged file, another opt level, a missing or extra variable, a shape, dtype or optimizer
-/// mismatch, non-finite values, or an invalid AMP state. In every error case the model, the
-/// optimizers and `amp` are untouched.
-pub fn load_checkpoint(
+/// mismatch, non-finite values, an invalid scaler state, or scalers of the other kind (an `Amp`
+/// for a checkpoint saved without one, or the reverse). In every error case the model, the
+/// optimizers and the scalers are untouched.
+pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &mut [&mut AmpOptimizer],
-    amp: &mut Amp,
+    scalers: &mut S,
 ) -> Result<()> {
     let path = path.as_ref();
     let (bytes, meta) = open(path)?;
-    let level = amp.properties().opt_level();
-    if meta.opt_level != level {
-        return Err(mismatch(format!(
-            "the checkpoint was written under {}, this Amp is {level}: load_model_weights and load_optimizer_state \
-             load its parts into another opt level",
-            meta.opt_level
-        )));
-    }
     let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
     // Phase 1: check and stage everything.
-    let amp_json = serde_json::to_value(&meta.amp).map_err(|e| mismatch(format!("amp state: {e}")))?;
-    let amp_state = amp.check_state_dict(&amp_json)?;
+    let mut consumed: BTreeSet<String> = BTreeSet::new();
+    let scaler_state = match (scalers.as_amp(), meta.opt_level, &meta.amp) {
+        (Some(amp), Some(saved), Some(state)) => {
+            let level = amp.properties().opt_level();
+            if saved != level {
+                return Err(mismatch(format!(
+                    "the checkpoint was written under {saved}, this Amp is {level}: load_model_weights and \
+                     load_optimizer_state load its parts into another opt level"
+                )));
+            }
+            let amp_json = serde_json::to_value(state).map_err(|e| mismatch(format!("amp state: {e}")))?;
+            ScalerStaged::Amp(amp.check_state_dict(&amp_json)?)
+        }
+        (Some(amp), None, _) => {
+            return Err(mismatch(format!(
+                "the checkpoint was written without an Amp (torch.amp's GradScaler, or no scaler), this Amp is {}: \
+                 pass the GradScaler(s), or () for none",
+                amp.properties().opt_level()
+            )))
+        }
+        (None, Some(saved), _) => {
+            return Err(mismatch(format!(
+                "the checkpoint was written with an Amp under {saved}: pass that Amp to restore its loss scalers"
+            )))
+        }
+        (None, None, _) => match st.tensor(SCALER_TENSOR) {
+            Ok(view) => {
+                consumed.insert(SCALER_TENSOR.to_string());
+                if view.dtype() != Dtype::U8 || view.shape().len() != 1 {
+                    return Err(mismatch(format!("{SCALER_TENSOR} must be U8 bytes, found {:?}", view.dtype())));
+                }
+                let value = crate::torch_io::load_bytes(view.data(), &crate::torch_io::LoadOptions::new())
+                    .map_err(|e| mismatch(format!("the scaler state: {e}")))?;
+                scalers.check_scaler_state(&value.node())?;
+                ScalerStaged::Value(value)
+            }
+            Err(_) if scalers.torch_key().is_some() => {
+                return Err(mismatch(
+                    "the checkpoint holds no GradScaler state (it was saved without one): pass () for no scaler",
+                ))
+            }
+            Err(_) => ScalerStaged::None,
+        },
+        (Some(_), Some(_), None) => return Err(mismatch("the checkpoint records an opt level but no amp state")),
+    };
     if meta.optimizers.len() != optimizers.len() {
         return Err(mismatch(format!(
             "checkpoint has {} optimizers, {} given",
@@ -447,7 +508,6 @@ pub fn load_checkpoint(
     names.sort();
     let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
     let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
-    let mut consumed: BTreeSet<String> = BTreeSet::new();
     for name in names {
         let var = &vars[name];
         let key = format!("model/{name}");
@@ -485,8 +545,26 @@ pub fn load_checkpoint(
     for (o, r) in optimizers.iter_mut().zip(staged_records) {
         o.apply_staged(r)?;
     }
-    amp.apply_checked_state(amp_state);
+    match scaler_state {
+        ScalerStaged::Amp(state) => {
+            if let Some(amp) = scalers.as_amp_mut() {
+                amp.apply_checked_state(state);
+            }
+        }
+        ScalerStaged::Value(v) => scalers.apply_scaler_state(&v.node())?,
+        ScalerStaged::None => {}
+    }
     Ok(())
+}
+
+/// The scalers' state of a checkpoint, checked, ready to apply.
+enum ScalerStaged {
+    /// An `Amp`'s (the metadata's `amp`).
+    Amp(crate::scaling::ParsedState),
+    /// torch.amp's (the `scaler` tensor's).
+    Value(crate::torch_io::Value),
+    /// None saved, none expected.
+    None,
 }
 
 /// The [`TrainingState`] a [`save_checkpoint_with`] wrote into `path` (empty for a checkpoint
@@ -523,15 +601,25 @@ fn open(path: &Path) -> Result<(Vec<u8>, Metadata)> {
     Ok((bytes, meta))
 }
 
-/// Format 4 (parameter groups with hyper-parameters) or format 3 (per-group learning rates),
-/// each with exactly its own fields.
+/// Format 5 (an `Amp`'s opt level and scalers, or neither), format 4 (parameter groups with
+/// hyper-parameters) or format 3 (per-group learning rates), each with exactly its own fields.
 fn check_format(path: &Path, meta: &Metadata) -> Result<()> {
-    let v4 = meta.format == FORMAT;
+    let v5 = meta.format == FORMAT;
+    let v4 = v5 || meta.format == FORMAT_4;
     if !v4 && meta.format != FORMAT_3 {
         return Err(mismatch(format!(
-            "{}: format {:?}, this tch-amp reads {FORMAT:?} and {FORMAT_3:?}",
+            "{}: format {:?}, this tch-amp reads {FORMAT:?}, {FORMAT_4:?} and {FORMAT_3:?}",
             path.display(),
             meta.format
+        )));
+    }
+    // Before format 5 every checkpoint had an Amp; in format 5 both or neither.
+    if (!v5 && (meta.opt_level.is_none() || meta.amp.is_none())) || meta.opt_level.is_some() != meta.amp.is_some() {
+        return Err(mismatch(format!(
+            "{}: format {} needs \"opt_level\" and \"amp\"{}",
+            path.display(),
+            meta.format,
+            if v5 { " together, or neither" } else { "" }
         )));
     }
     for (i, o) in meta.optimizers.iter().enumerate() {

@@ -162,6 +162,19 @@ impl AmpConfig {
                 return Err(invalid("min_loss_scale", min, "a value not above max_loss_scale"));
             }
         }
+        if let Some(init) = self.init_loss_scale {
+            in_scale_range("init_loss_scale", init)?;
+            if loss_scale != LossScale::Dynamic {
+                return Err(invalid(
+                    "init_loss_scale",
+                    init,
+                    "a dynamic loss scale (a static one is its own initial value: set loss_scale)",
+                ));
+            }
+            if init > max_loss_scale || self.min_loss_scale.is_some_and(|m| init < m) {
+                return Err(invalid("init_loss_scale", init, "a value within [min_loss_scale, max_loss_scale]"));
+            }
+        }
         let num_losses = self.num_losses.unwrap_or(1);
         if num_losses == 0 {
             return Err(invalid("num_losses", 0, "at least 1"));
@@ -191,6 +204,7 @@ impl AmpConfig {
             num_losses,
             min_loss_scale: self.min_loss_scale,
             max_loss_scale,
+            init_loss_scale: self.init_loss_scale,
             verbosity: self.verbosity.unwrap_or(1),
             cast_settings: CastSettings {
                 low_precision_dtype: low,

@@ -8,8 +8,8 @@ use tch::{Device, Kind, Tensor};
 use super::cast::{cast, cast_with, mm, Gemm, Operand};
 use super::config::{Cast, Resolved};
 use super::delayed::DelayedLayer;
-use crate::cast::scope::autocast_state;
 use crate::cast::disable::disable_casts;
+use crate::cast::scope::autocast_state;
 use crate::error::{AmpError, Result, TorchContext};
 use crate::sys::autograd::{custom_function, BackwardArgs};
 

@@ -39,6 +39,8 @@ pub(crate) struct Optimizer {
     /// Index into `groups` of each parameter.
     group_of: Vec<usize>,
     state: Vec<ParamState>,
+    /// The order the rule sees the parameters in (indices into `params`; empty: as stored).
+    step_order: Vec<usize>,
     /// fp16/bf16 parameters are updated in fp32 with fp32 state (else in their own dtype, as
     /// torch.optim and Apex's O3 do).
     fp32_state: bool,
@@ -78,6 +80,7 @@ impl Optimizer {
             names: Vec::new(),
             group_of: Vec::new(),
             state: Vec::new(),
+            step_order: Vec::new(),
             fp32_state,
         })
     }
@@ -132,6 +135,12 @@ impl Optimizer {
     pub(crate) fn push_empty_group(&mut self, id: usize, lr: f64, hyper: HyperParams) -> usize {
         self.groups.push(Group { id, lr, hyper, step: 0 });
         self.groups.len() - 1
+    }
+
+    /// The order [`Self::step`] hands the parameters to the rule in (a permutation of the
+    /// parameters' indices; anything else keeps the stored order).
+    pub(crate) fn set_step_order(&mut self, order: Vec<usize>) {
+        self.step_order = order;
     }
 
     pub(crate) fn rule(&self) -> &dyn UpdateRule {
@@ -256,9 +265,17 @@ impl Optimizer {
         let mut per_group: Vec<Vec<ParamView<'_>>> = self.groups.iter().map(|_| Vec::new()).collect();
         let mut write_back: Vec<(Tensor, Tensor)> = Vec::new();
         let mut has_params = vec![false; self.groups.len()];
-        for (((param, st), name), &gi) in
-            self.params.iter().zip(self.state.iter_mut()).zip(&self.names).zip(&self.group_of)
-        {
+        let n = self.params.len();
+        let mut order: Vec<usize> = self.step_order.clone();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        if !sorted.iter().copied().eq(0..n) {
+            order = (0..n).collect();
+        }
+        let mut states: Vec<Option<&mut ParamState>> = self.state.iter_mut().map(Some).collect();
+        for i in order {
+            let (param, name, gi) = (&self.params[i], &self.names[i], self.group_of[i]);
+            let Some(st) = states[i].take() else { continue };
             has_params[gi] = true;
             let grad = param.grad();
             if !grad.defined() {

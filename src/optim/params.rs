@@ -148,29 +148,6 @@ pub(crate) fn torch_param_order(mut names: Vec<String>) -> Vec<String> {
     names
 }
 
-/// The indices of `entries` in torch's parameter order, one list per torch param group: one
-/// group per tch parameter group, in the order of their first parameter, each group's
-/// parameters in creation order with each module's weight before its bias
-/// ([`torch_param_order`]). With one group (no `Path::set_group`) this is the order of
-/// `model.parameters()` (and so of Apex's `amp.master_params(optimizer)`) when the Rust model
-/// creates its layers in the order the Python module registers them.
-pub(crate) fn torch_groups(entries: &[ParamEntry]) -> Vec<Vec<usize>> {
-    let mut by_creation: Vec<usize> = (0..entries.len()).collect();
-    by_creation.sort_by(|&a, &b| (entries[a].order, &entries[a].name).cmp(&(entries[b].order, &entries[b].name)));
-    let index: std::collections::HashMap<&str, usize> =
-        entries.iter().enumerate().map(|(i, e)| (e.name.as_str(), i)).collect();
-    let names = torch_param_order(by_creation.iter().map(|&i| entries[i].name.clone()).collect());
-    let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
-    for name in names {
-        let i = index[name.as_str()];
-        match groups.iter_mut().find(|(g, _)| *g == entries[i].group) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((entries[i].group, vec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, members)| members).collect()
-}
-
 /// model ← master (rounded to the model's dtype) for every entry with a master.
 pub(crate) fn copy_masters_to_model(entries: &[ParamEntry]) -> Result<()> {
     let _no_grad = tch::no_grad_guard();

@@ -321,7 +321,11 @@ impl<'a> GroupView<'a> {
     pub fn step(&self) -> u64 {
         self.step
     }
-    /// The parameters with a gradient.
+    /// The parameters with a gradient, in torch's order: the model's creation order with each
+    /// module's weight before its bias (`model.parameters()`'s order in Python when the layers
+    /// are created in the order the Python module registers them). Rules that combine
+    /// parameters (LAMB's global gradient norm) combine them in this order, as torch.optim and
+    /// Apex iterate a group.
     pub fn params(&self) -> &[ParamView<'a>] {
         &self.params
     }

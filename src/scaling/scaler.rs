@@ -134,7 +134,9 @@ impl LossScaler {
     /// A scaler as `initialize` makes it from `props`.
     pub fn new(props: &Properties) -> Self {
         let (dynamic, scale) = match props.loss_scale() {
-            LossScale::Dynamic => (true, Self::INITIAL_DYNAMIC_SCALE.min(props.max_loss_scale())),
+            LossScale::Dynamic => {
+                (true, props.init_loss_scale().unwrap_or(Self::INITIAL_DYNAMIC_SCALE.min(props.max_loss_scale())))
+            }
             LossScale::Static(s) => (false, s),
         };
         let mut s = Self::with_rule(

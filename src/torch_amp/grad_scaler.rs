@@ -64,6 +64,16 @@ impl GradScalerOptions {
     }
 }
 
+/// A state dict [`GradScaler::check_state_dict`] accepted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CheckedState {
+    scale: f64,
+    growth: f64,
+    backoff: f64,
+    interval: i64,
+    tracker: i64,
+}
+
 /// torch's `OptState`: where one optimizer is within the current iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -552,8 +562,24 @@ impl GradScaler {
     /// missing or of the wrong type (floats may be given as ints), a scale that is not finite
     /// and > 0, factors or interval out of range, a tracker outside 0..2^31.
     pub fn load_state_dict(&mut self, state: &Value) -> Result<()> {
+        let Some(s) = self.check_state_dict(state)? else { return Ok(()) };
+        if let (Some(scale), Some(tracker)) = (self.scale.as_mut(), self.growth_tracker.as_mut()) {
+            let _ = scale.f_fill_(s.scale)?;
+            let _ = tracker.f_fill_(s.tracker)?;
+        }
+        self.init_scale = s.scale;
+        self.init_growth_tracker = s.tracker;
+        self.growth_factor = s.growth;
+        self.backoff_factor = s.backoff;
+        self.growth_interval = s.interval;
+        Ok(())
+    }
+
+    /// [`Self::load_state_dict`]'s checks, without applying anything: the values to apply, or
+    /// `None` for a disabled scaler (which loads nothing).
+    pub(crate) fn check_state_dict(&self, state: &Value) -> Result<Option<CheckedState>> {
         if !self.enabled {
-            return Ok(());
+            return Ok(None);
         }
         let bad = |message: String| mismatch(format!("GradScaler state dict: {message}"));
         let Value::Dict(d) = state else {
@@ -585,16 +611,7 @@ impl GradScaler {
         if !(0..=i64::from(i32::MAX)).contains(&tracker) {
             return Err(bad(format!("_growth_tracker {tracker} must be in 0..2^31")));
         }
-        if let (Some(s), Some(t)) = (self.scale.as_mut(), self.growth_tracker.as_mut()) {
-            let _ = s.f_fill_(scale)?;
-            let _ = t.f_fill_(tracker)?;
-        }
-        self.init_scale = scale;
-        self.init_growth_tracker = tracker;
-        self.growth_factor = growth;
-        self.backoff_factor = backoff;
-        self.growth_interval = interval;
-        Ok(())
+        Ok(Some(CheckedState { scale, growth, backoff, interval, tracker }))
     }
 
     /// Writes [`Self::state_dict`] to `path` in `torch.save`'s format

@@ -47,6 +47,7 @@ impl ScalerOptimizer for AmpOptimizer {
     }
 
     fn step(&mut self) -> Result<()> {
+        self.note_scaler_step();
         AmpOptimizer::step(self)?;
         Ok(())
     }

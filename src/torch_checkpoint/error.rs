@@ -17,9 +17,12 @@ pub enum TorchCheckpointError {
     /// Strict loading: the model state dict and the `VarStore` hold different names (torch's
     /// `load_state_dict(strict=True)` refuses this too). `TorchLoadOptions::strict(false)`
     /// loads the names both have and reports the others.
+    /// When the two sides differ by a prefix on every key (a wrapper's `module.` or
+    /// `_orig_mod.` that [`super::KeyPrefix::Auto`] did not strip, or another), the message
+    /// names the [`super::KeyPrefix`] that fixes it.
     #[error(
-        "the model state dict does not match the VarStore: missing {missing:?}, unexpected {unexpected:?}; \
-         load with TorchLoadOptions::strict(false)"
+        "the model state dict does not match the VarStore: missing {missing:?}, unexpected {unexpected:?}; {}",
+        mismatch_remedy(.missing, .unexpected)
     )]
     KeysMismatch {
         /// `VarStore` variables the state dict lacks.
@@ -75,7 +78,7 @@ pub enum TorchCheckpointError {
         in_optimizer: usize,
     },
     /// A state dict of another optimizer class.
-    #[error("{path} is a torch.optim.{in_file} state, but optimizer {optimizer} is {in_optimizer}")]
+    #[error("{path} holds the state of a {in_file} optimizer, but optimizer {optimizer} is {in_optimizer}")]
     OptimizerKind {
         /// Which optimizer.
         optimizer: usize,
@@ -86,13 +89,11 @@ pub enum TorchCheckpointError {
         /// The optimizer's kind.
         in_optimizer: String,
     },
-    /// A hyper-parameter of a param group that differs from the optimizer's (tch-amp's
-    /// optimizers have one set of hyper-parameters besides the per-group learning rate), or
-    /// two learning rates for parameters of one tch parameter group.
-    #[error(
-        "{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: build the optimizer \
-         with the file's values (tch_amp::torch_checkpoint::optimizer_config reads them)"
-    )]
+    /// A hyper-parameter of a param group that differs from the optimizer's group's own under
+    /// [`super::TorchLoadOptions::strict_hyper_parameters`] (by default the file's values are
+    /// taken, as torch's `load_state_dict` takes them), or two values (learning rates,
+    /// hyper-parameters) that two of the file's groups give one parameter group of the optimizer.
+    #[error("{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: {remedy}")]
     HyperParameter {
         /// Which optimizer.
         optimizer: usize,
@@ -104,6 +105,21 @@ pub enum TorchCheckpointError {
         in_file: String,
         /// The optimizer's value.
         in_optimizer: String,
+        /// What to do.
+        remedy: &'static str,
+    },
+    /// An optimizer whose update rule has no torch.optim or `apex.optimizers` form (a user's
+    /// [`crate::UpdateRule`]): a torch checkpoint cannot hold its state. tch-amp's own
+    /// checkpoints ([`crate::save_checkpoint`]) hold any rule's.
+    #[error(
+        "optimizer {optimizer} runs the update rule {kind:?}, which has no torch.optim or apex.optimizers form: save \
+         it with tch_amp::save_checkpoint"
+    )]
+    NoTorchForm {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Its rule's kind ([`crate::UpdateRule::kind`]).
+        kind: String,
     },
     /// torch's parameter order (the `params` lists of `param_groups`) cannot be mapped onto
     /// the optimizer's parameters without guessing.
@@ -116,6 +132,18 @@ pub enum TorchCheckpointError {
         optimizer: usize,
         /// Why.
         reason: String,
+    },
+    /// The checkpoint dict lacks an entry the options say to read (the model's, an
+    /// optimizer's, the loss scalers', the master parameters'). The message names the option
+    /// that names the entry, or leaves it out.
+    #[error("the checkpoint has no {key:?} entry ({holds}): {remedy}")]
+    MissingEntry {
+        /// The key looked for.
+        key: String,
+        /// What it would hold.
+        holds: &'static str,
+        /// The option to use.
+        remedy: &'static str,
     },
     /// A value with the right type but an impossible content (a negative `step`, a state for a
     /// parameter index no group lists, a parameter listed twice, ...).
@@ -140,4 +168,57 @@ pub enum TorchCheckpointError {
     /// tch-amp refused or failed (an amp state the scalers reject, a libtorch call).
     #[error(transparent)]
     Amp(#[from] crate::AmpError),
+}
+
+/// What a strict load's key mismatch suggests: when every unexpected key is a missing name
+/// behind one prefix, the [`super::KeyPrefix`] that strips it; when every missing name is an
+/// unexpected key behind one prefix, that the file lacks it; else a non-strict load.
+fn mismatch_remedy(missing: &[String], unexpected: &[String]) -> String {
+    fn common(longer: &[String], shorter: &[String]) -> Option<String> {
+        let first = longer.first()?;
+        let candidates = shorter.iter().filter_map(|m| {
+            first.strip_suffix(m.as_str()).filter(|p| !p.is_empty() && (p.ends_with('.') || m.is_empty()))
+        });
+        let mut candidates: Vec<&str> = candidates.collect();
+        candidates.sort_by_key(|p| p.len());
+        candidates
+            .into_iter()
+            .find(|p| longer.iter().all(|k| k.strip_prefix(p).is_some_and(|rest| shorter.iter().any(|m| m == rest))))
+            .map(str::to_string)
+    }
+    if let Some(p) = common(unexpected, missing) {
+        return format!(
+            "every unexpected key is a missing name behind the prefix {p:?}: load with \
+             TorchLoadOptions::key_prefix(KeyPrefix::Strip({p:?}.into()))"
+        );
+    }
+    if let Some(p) = common(missing, unexpected) {
+        return format!(
+            "the VarStore's names carry the prefix {p:?}, which the file's keys lack: build the model under a \
+             path without it, or save the file with that prefix (TorchSaveOptions::key_prefix)"
+        );
+    }
+    "load with TorchLoadOptions::strict(false)".into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_mismatch_by_one_prefix_names_the_option() {
+        let missing = names(&["fc.weight", "fc.bias"]);
+        let unexpected = names(&["net.fc.bias", "net.fc.weight"]);
+        let r = mismatch_remedy(&missing, &unexpected);
+        assert!(r.contains("KeyPrefix::Strip(\"net.\""), "{r}");
+        let r = mismatch_remedy(&unexpected, &missing);
+        assert!(r.contains("carry the prefix \"net.\""), "{r}");
+        let r = mismatch_remedy(&missing, &names(&["net.fc.weight", "other.x"]));
+        assert_eq!(r, "load with TorchLoadOptions::strict(false)");
+        assert_eq!(mismatch_remedy(&missing, &[]), "load with TorchLoadOptions::strict(false)");
+    }
 }

@@ -4,8 +4,10 @@
 //! `torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp':
 //! amp.state_dict(), 'epoch': e}, path)`, or Apex's imagenet example (`main_amp.py`:
 //! `{'epoch', 'arch', 'state_dict', 'best_prec1', 'optimizer'}`, with [`TorchLoadOptions::main_amp`])
-//! — in any container `torch.save` has written (zip, legacy, tar; see [`crate::torch_io`]) into
-//! a VarStore, [`crate::AmpOptimizer`]s and an [`crate::Amp`]. [`crate::save_torch_checkpoint`] writes the mirror:
+//! — or what a torch.amp script saved (`{'model', 'optimizer', 'scaler': scaler.state_dict()}`),
+//! in any container `torch.save` has written (zip, legacy, tar; see [`crate::torch_io`]) into
+//! a VarStore, [`crate::AmpOptimizer`]s and the loss scalers: an [`crate::Amp`], torch.amp's
+//! [`crate::GradScaler`]s, or none ([`crate::scaling::CheckpointScalers`]). [`crate::save_torch_checkpoint`] writes the mirror:
 //! the dict the Python script's resume code reads with `model.load_state_dict`,
 //! `optimizer.load_state_dict` and `amp.load_state_dict`, loadable with
 //! `torch.load(path, weights_only=True)`, written atomically.
@@ -37,10 +39,11 @@
 //! ## What loading does
 //! Everything is read and checked first, then applied; on any error nothing has changed.
 //! - **Model**: each entry of the model state dict goes to the VarStore variable of the same
-//!   name (dotted paths, as tch's layers and torch's modules both name them). A prefix
-//!   `module.` on every key (`nn.DataParallel` / `DistributedDataParallel` state dicts) is
-//!   stripped ([`KeyPrefix`]). Shapes must match. Strict by default, like
-//!   `load_state_dict(strict=True)`: missing and unexpected keys are
+//!   name (dotted paths, as tch's layers and torch's modules both name them). Prefixes
+//!   `module.` (`nn.DataParallel` / `DistributedDataParallel` state dicts) and `_orig_mod.` (a
+//!   `torch.compile`d model's) on every key are stripped, stacked or alone ([`KeyPrefix`]).
+//!   Shapes must match. Strict by default, like `load_state_dict(strict=True)`: missing and
+//!   unexpected keys are
 //!   [`TorchCheckpointError::KeysMismatch`] listing both; with `strict(false)` the names both
 //!   have are loaded and the others reported. dtypes convert as torch's `copy_` does (fp32 state
 //!   dict into O2's fp16 model: rounded once), and the report lists every conversion;
@@ -51,41 +54,49 @@
 //!   only for `momentum=None` (a cumulative average), which tch's batch norm does not offer; with
 //!   a momentum (torch's default, 0.1) the running statistics evolve the same without it. A
 //!   VarStore variable of that name, if the user made one, loads like any other.
-//! - **Tied parameters** (one tensor saved under two names): the second name is skipped and
+//! - **Tied parameters** (one tensor saved under two names, as torch's `state_dict()` lists
+//!   nanoGPT's `lm_head.weight` and `transformer.wte.weight`): the second name is skipped and
 //!   reported unless the VarStore has a variable of that name.
-//! - **Optimizer**: torch.optim's state dict is keyed by parameter index, in `param_groups`
-//!   order; tch-amp's optimizers order their parameters by VarStore name. The mapping
-//!   ([`TorchParamOrder`], per torch group the VarStore names in index order) is taken, in this
-//!   order of preference, from [`TorchLoadOptions::param_order`]; from the groups'
-//!   `param_names` (torch >= 2.6 writes them for optimizers made from `named_parameters()`,
-//!   tch-amp always does); or from the model state dict's order, which is `model.parameters()`'s
-//!   order (both are the module registration order): its entries that are parameters of the
-//!   optimizer, cut into the groups' sizes. That last one is accepted only when it is no guess:
-//!   every parameter of the optimizer must appear in the model state dict, and with several
-//!   groups each group must fall into one tch parameter group (`Path::set_group`) and no two
-//!   into the same one; otherwise [`TorchCheckpointError::ParamOrder`] says so (a script that
-//!   built its groups out of model order, e.g. weights and biases apart). Every state tensor's
-//!   shape is checked against its parameter, so a wrong mapping of differently shaped
-//!   parameters cannot load.
-//! - **Hyper-parameters**: the file's `lr` of each group becomes the learning rate of the tch
-//!   groups of its parameters (two rates for one tch group are an error). The others (momentum,
-//!   dampening, nesterov, betas, eps, weight_decay, amsgrad, alpha, centered, maximize; torch's
-//!   defaults where an old file lacks one) must equal the optimizer's in every group
-//!   ([`TorchCheckpointError::HyperParameter`]): build the optimizer from the file with
-//!   [`optimizer_config`]. `foreach`, `fused`, `capturable` and `differentiable` choose torch's
-//!   implementation and are not compared; other keys (`initial_lr` from an LR scheduler) are
-//!   listed in [`TorchLoadReport::ignored_group_keys`].
+//! - **Optimizer**: torch.optim's state dict (or an `apex.optimizers` one: FusedSGD,
+//!   FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad) is keyed by parameter index, in
+//!   `param_groups` order. The mapping ([`TorchParamOrder`], per torch group the VarStore names in
+//!   index order) is taken, in this order of preference, from [`TorchLoadOptions::param_order`];
+//!   from the groups' `param_names` (torch >= 2.6 writes them for optimizers made from
+//!   `named_parameters()`, tch-amp always does); or from the model state dict's order, which is
+//!   `model.parameters()`'s order (both are the module registration order): file group `i` is
+//!   the optimizer's parameter group `i` (torch's own `load_state_dict` assumes the same), its
+//!   parameters in that order, when the sizes agree; else the model order cut into the file's
+//!   group sizes, each within one tch parameter group (`Path::set_group`). Anything else is
+//!   [`TorchCheckpointError::ParamOrder`]. Every state tensor's shape is checked against its
+//!   parameter, so a wrong mapping of differently shaped parameters cannot load.
+//! - **Hyper-parameters**: each file group's `lr` and hyper-parameters (momentum, dampening,
+//!   nesterov, betas, eps, weight_decay, amsgrad, alpha, centered, maximize; Apex's
+//!   bias_correction, grad_averaging, norm_type, init_zero; the class's defaults where an old
+//!   file lacks one) become those of the optimizer's parameter groups its parameters are in, as
+//!   torch's `optimizer.load_state_dict` does; two file groups giving one parameter group
+//!   different values are [`TorchCheckpointError::HyperParameter`].
+//!   [`TorchLoadOptions::strict_hyper_parameters`] refuses values (but `lr`) other than the
+//!   group's own instead. Options Apex reads from the optimizer rather than its groups
+//!   (`adam_w_mode`, `use_nvlamb`, `wd_after_momentum`, ...; FusedLAMB's `max_grad_norm`, which
+//!   its groups repeat) keep the optimizer's values. `foreach`, `fused`, `capturable` and
+//!   `differentiable` choose torch's implementation and are not compared; other keys
+//!   (`initial_lr` from an LR scheduler) are listed in [`TorchLoadReport::ignored_group_keys`].
 //! - **State**: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`, `square_avg`,
-//!   `grad_avg` go into the optimizer's state in the dtype it keeps them (fp32 for O2's masters),
-//!   `step` (tensor, float or int) into each parameter's step count. torch's SGD keeps no step
-//!   count: an SGD optimizer's step counts restart at 0 (they are not used by its update).
+//!   `grad_avg`, `sum` go into the optimizer's state in the dtype it keeps them (fp32 for O2's
+//!   masters), `step` (tensor, float or int) into each parameter's step count; Apex's group
+//!   `step` into the group's. torch's SGD keeps no step count: an SGD optimizer's step counts
+//!   restart at 0 (they are not used by its update).
 //! - **Masters (O2)**: the fp32 masters are the model state dict's values — what Apex does
 //!   too. A state dict Apex wrote under O2 holds the fp16 model cast to fp32 (its state-dict
 //!   hook does not read the masters), so the masters' low bits were already lost when the
 //!   Python run saved; tch-amp's own checkpoints ([`crate::save_checkpoint`]) and
-//!   [`crate::save_torch_checkpoint`]'s files hold the masters and resume bit-exactly.
-//! - **Amp**: Apex's `{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}` (or a
-//!   `GradScaler.state_dict()`) into the scalers, checked as [`crate::Amp::load_state_dict`] checks it.
+//!   [`crate::save_torch_checkpoint`]'s files hold the masters and resume bit-exactly, and so
+//!   does an Apex-era file with `'master params'` ([`TorchLoadOptions::master_params`]).
+//! - **Scalers**: Apex's `{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}` (or a
+//!   `GradScaler.state_dict()`) into an `Amp`'s scalers, checked as
+//!   [`crate::Amp::load_state_dict`] checks it; `scaler.state_dict()` into a GradScaler. An
+//!   entry the options name that the file lacks is [`TorchCheckpointError::MissingEntry`],
+//!   which names the option that leaves it out.
 //!
 //! ## How a resumed run differs from Apex's own resume
 //! Resumed here, a run continues bit for bit as a Python run continues from the file's values
@@ -107,15 +118,19 @@
 //! A plain dict: the caller's entries ([`TorchSaveOptions::entry`]: `epoch`, `arch`,
 //! `best_prec1`, ...), then the model state dict (an OrderedDict in torch's module order as far
 //! as tch knows it, floating variables in fp32 taken from the masters where there are masters
-//! — what Apex's O2 hook writes, without its rounding — running statistics as they are), one
-//! torch.optim state dict per optimizer (`{'state': {index: {'step': tensor(n.), buffers...}},
-//! 'param_groups': [{'lr', hyper-parameters, implementation flags as torch 2.13 writes them,
-//! 'param_names', 'params': [index, ...]}]}`, the groups and order from
-//! [`default_param_order`] or [`TorchSaveOptions::param_order`]), and `amp`
-//! (`{'loss_scaler0': {'loss_scale': float, 'unskipped': int}}`). A Python script resumes it
-//! with its usual code; under O2 Apex then rounds the masters to the fp16 model and round-trips
-//! the state through fp16 as above, so only a resume that builds its masters from the file
-//! (as tch-amp does) continues exactly.
+//! — what Apex's O2 hook writes, without its rounding — running statistics as they are, and
+//! the second names of tied parameters, [`TorchSaveOptions::tied`], viewing the same storage),
+//! one state dict per optimizer in its class's layout (torch.optim's: `{'state': {index:
+//! {'step': tensor(n.), buffers...}}, 'param_groups': [{'lr', hyper-parameters, implementation
+//! flags as torch 2.13 writes them, 'param_names', 'params': [index, ...]}]}`; Apex's: its group
+//! keys and group `step`), one torch group per parameter group of the optimizer with that
+//! group's own values ([`default_param_order`], or [`TorchSaveOptions::param_order`]), and
+//! `amp` (`{'loss_scaler0': {'loss_scale': float, 'unskipped': int}}`) or `scaler`
+//! (`scaler.state_dict()`), and, when asked, `'master params'`. A user's
+//! [`crate::UpdateRule`] has no torch form: [`TorchCheckpointError::NoTorchForm`]. A Python
+//! script resumes the file with its usual code; under O2 Apex then rounds the masters to the
+//! fp16 model and round-trips the state through fp16 as above, so only a resume that builds its
+//! masters from the file (as tch-amp does) continues exactly.
 
 mod error;
 mod model;

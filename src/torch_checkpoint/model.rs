@@ -13,7 +13,9 @@ use crate::error::{AmpError, TorchContext};
 use crate::optim::{torch_param_order, OptimizerRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
-const DDP_PREFIX: &str = "module.";
+/// The prefixes [`KeyPrefix::Auto`] strips: `module.` (`nn.DataParallel`,
+/// `DistributedDataParallel`) and `_orig_mod.` (a `torch.compile`d model).
+const AUTO_PREFIXES: [&str; 2] = ["module.", "_orig_mod."];
 const NUM_BATCHES_TRACKED: &str = "num_batches_tracked";
 
 /// A model state dict checked against a VarStore, ready to apply.
@@ -49,9 +51,17 @@ pub(super) fn prefix_to_strip(keys: &[&str], vs_names: &BTreeSet<String>, rule: 
         KeyPrefix::Keep => None,
         KeyPrefix::Strip(p) => Some(p.clone()),
         KeyPrefix::Auto => {
-            let all = !keys.is_empty() && keys.iter().all(|k| k.starts_with(DDP_PREFIX));
-            let ours = vs_names.iter().any(|n| n.starts_with(DDP_PREFIX));
-            (all && !ours).then(|| DDP_PREFIX.to_string())
+            // Stacked wrappers stack their prefixes (`module._orig_mod.`): strip them one by one.
+            let mut prefix = String::new();
+            while let Some(p) = AUTO_PREFIXES.iter().find(|p| {
+                let full = format!("{prefix}{p}");
+                !keys.is_empty()
+                    && keys.iter().all(|k| k.starts_with(&full))
+                    && !vs_names.iter().any(|n| n.starts_with(**p))
+            }) {
+                prefix.push_str(p);
+            }
+            (!prefix.is_empty()).then_some(prefix)
         }
     }
 }
@@ -227,7 +237,8 @@ pub(super) fn state_dict_order(vs: &VarStore) -> Result<Vec<String>> {
 
 /// The model state dict tch-amp writes: an OrderedDict in [`state_dict_order`], floating
 /// variables in fp32 (the fp32 masters where the optimizers have them, so nothing is lost),
-/// others as they are, every key behind `options.key_prefix`.
+/// others as they are, then the second names of tied parameters (`options.tied`) viewing the
+/// same tensors, every key behind `options.key_prefix`.
 pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &TorchSaveOptions) -> Result<Dict> {
     let masters: BTreeMap<&str, &Tensor> = records
         .iter()
@@ -260,5 +271,46 @@ pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &T
             }
         }
     }
+    for (alias, variable) in &options.tied {
+        let options_err = |message: String| TorchCheckpointError::Options { message };
+        if vars.contains_key(alias) {
+            return Err(options_err(format!(
+                "tied({alias:?}, {variable:?}): {alias} is a variable of the VarStore itself"
+            )));
+        }
+        let Some(Value::Tensor(t)) = dict.get_str(&format!("{prefix}{variable}")) else {
+            return Err(options_err(format!(
+                "tied({alias:?}, {variable:?}): {variable} is not a variable of the VarStore"
+            )));
+        };
+        let t = t.shallow_clone();
+        if dict.insert(format!("{prefix}{alias}"), Value::Tensor(t)).is_some() {
+            return Err(options_err(format!("tied({alias:?}, ..): {alias} is named twice")));
+        }
+    }
     Ok(dict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn auto_strips_wrapper_prefixes_stacked_or_alone() {
+        let vs: BTreeSet<String> = names(&["fc.weight", "fc.bias"]).into_iter().collect();
+        let strip = |keys: &[&str]| prefix_to_strip(keys, &vs, &KeyPrefix::Auto);
+        assert_eq!(strip(&["module.fc.weight", "module.fc.bias"]).as_deref(), Some("module."));
+        assert_eq!(strip(&["_orig_mod.fc.weight", "_orig_mod.fc.bias"]).as_deref(), Some("_orig_mod."));
+        assert_eq!(strip(&["module._orig_mod.fc.weight"]).as_deref(), Some("module._orig_mod."));
+        assert_eq!(strip(&["_orig_mod.module.fc.weight"]).as_deref(), Some("_orig_mod.module."));
+        assert_eq!(strip(&["module.fc.weight", "fc.bias"]), None);
+        assert_eq!(strip(&[]), None);
+        // A VarStore whose own names start with the prefix keeps the keys.
+        let vs: BTreeSet<String> = names(&["module.fc.weight"]).into_iter().collect();
+        assert_eq!(prefix_to_strip(&["module.fc.weight"], &vs, &KeyPrefix::Auto), None);
+    }
 }

@@ -12,7 +12,7 @@ use tch::Tensor;
 use super::engine::Optimizer;
 use super::grads::{clear_grad, clip_grads, NonFiniteNorm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
-use super::params::{copy_masters_to_model, torch_groups, ParamEntry};
+use super::params::{copy_masters_to_model, ParamEntry};
 use super::rule::{HyperParams, UpdateRule};
 use super::rules::OptimizerConfig;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
@@ -23,6 +23,7 @@ mod records;
 
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
+pub(crate) use records::ParamLayout;
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -82,6 +83,17 @@ fn bytes(t: &Tensor) -> usize {
     }
 }
 
+/// The entries' indices in torch's order: the model's creation order with each module's weight
+/// before its bias (see [`crate::optim::torch_param_order`]).
+fn torch_order(entries: &[ParamEntry]) -> Vec<usize> {
+    let mut by_creation: Vec<(usize, &str)> = entries.iter().map(|e| (e.order(), e.name())).collect();
+    by_creation.sort_by_key(|&(order, name)| (order, name.to_string()));
+    let names = super::params::torch_param_order(by_creation.iter().map(|(_, n)| n.to_string()).collect());
+    let index: std::collections::HashMap<&str, usize> =
+        entries.iter().enumerate().map(|(i, e)| (e.name(), i)).collect();
+    names.iter().filter_map(|n| index.get(n.as_str()).copied()).collect()
+}
+
 /// Where an optimizer stands in the per-step order `zero_grad` -> `scale_loss` (one pass or
 /// more) -> `clip_grad_norm` -> `step`, as torch's GradScaler keeps an `OptState` per
 /// optimizer. Every call checks it; a call out of order is a typed error that changes nothing.
@@ -100,6 +112,27 @@ enum Stage {
     Vanished(CollapseInfo),
     /// `step` ran: a `scale_loss` pass must come before the next `step` or clip.
     Stepped,
+}
+
+/// Which front door drives an optimizer, so that its errors speak that API's words: Apex's
+/// `scale_loss` (the default, and after every `scale_loss`), or torch.amp's `GradScaler` (after
+/// `scaler.step(&mut opt)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum FrontDoor {
+    #[default]
+    Apex,
+    TorchAmp,
+}
+
+/// A call-order error in the words of `door`: (when, remedy) for Apex's and torch.amp's.
+fn call_order(
+    door: FrontDoor,
+    call: &'static str,
+    apex: (&'static str, &'static str),
+    torch_amp: (&'static str, &'static str),
+) -> AmpError {
+    let (when, remedy) = if door == FrontDoor::TorchAmp { torch_amp } else { apex };
+    AmpError::Usage(UsageError::CallOrder { call, when, remedy })
 }
 
 /// How an [`crate::Amp`] sets up the optimizers it makes.
@@ -141,6 +174,8 @@ pub struct AmpOptimizer {
     last_overflow: Option<OverflowReport>,
     steps: u64,
     skipped: u64,
+    /// The API that drove the last step, for the words of call-order errors.
+    door: FrontDoor,
 }
 
 impl AmpOptimizer {
@@ -185,7 +220,18 @@ impl AmpOptimizer {
             }
         }
         let stash = entries.iter().map(|_| None).collect();
-        Ok(Self { setup, inner, entries, stash, stage: Stage::Ready, last_overflow: None, steps: 0, skipped: 0 })
+        inner.set_step_order(torch_order(&entries));
+        Ok(Self {
+            setup,
+            inner,
+            entries,
+            stash,
+            stage: Stage::Ready,
+            last_overflow: None,
+            steps: 0,
+            skipped: 0,
+            door: FrontDoor::default(),
+        })
     }
 
     /// The default learning rate (of groups that do not set their own, and of groups added
@@ -293,6 +339,7 @@ impl AmpOptimizer {
             self.entries.push(e);
             self.stash.push(None);
         }
+        self.inner.set_step_order(torch_order(&self.entries));
         Ok(id)
     }
 
@@ -460,7 +507,16 @@ impl AmpOptimizer {
                 "run a scale_loss without delay_unscale before stepping",
             ),
             Stage::Stepped if !legacy => {
-                ("twice with no scale_loss in between", "per update: zero_grad(), scale_loss(..), step()")
+                return Some(call_order(
+                    self.door,
+                    "step()",
+                    ("twice with no scale_loss in between", "per update: zero_grad(), scale_loss(..), step()"),
+                    (
+                        "twice with no backward in between (scaler.step(&mut opt) already stepped it)",
+                        "per update: zero_grad(), scaler.scale(&loss)?.backward(), scaler.step(&mut opt)?, \
+                         scaler.update()?; scaler.step calls step() itself",
+                    ),
+                ))
             }
             Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
                 // O2's fp16 gradients without masters' are named by check_gradients.
@@ -514,17 +570,29 @@ impl AmpOptimizer {
     /// `scale_loss` pass (unless `scale_loss` passes the loss through and backward ran), or on
     /// still-scaled gradients.
     fn check_clip_stage(&self) -> Result<()> {
-        let when = match &self.stage {
-            Stage::Scaled => "while the gradients are still scaled (the last scale_loss used delay_unscale)",
-            Stage::Stepped => "after step() and before the next scale_loss",
-            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => "before scale_loss",
+        let (apex, torch_amp) = match &self.stage {
+            Stage::Scaled => {
+                let when = "while the gradients are still scaled (the last scale_loss used delay_unscale)";
+                (when, when)
+            }
+            Stage::Stepped => {
+                ("after step() and before the next scale_loss", "after step() and before the next backward")
+            }
+            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => ("before scale_loss", "before backward"),
             _ => return Ok(()),
         };
-        Err(AmpError::Usage(UsageError::CallOrder {
-            call: "clip_grad_norm()",
-            when,
-            remedy: "clip after scale_loss returns, before step()",
-        }))
+        Err(call_order(
+            self.door,
+            "clip_grad_norm()",
+            (apex, "clip after scale_loss returns, before step()"),
+            (torch_amp, "clip after scaler.unscale_(&opt)?, before scaler.step(&mut opt)?"),
+        ))
+    }
+
+    /// torch.amp's `GradScaler` steps this optimizer: its call-order errors speak of
+    /// `scaler.step` and `scaler.update` from now on (until the next `scale_loss`).
+    pub(crate) fn note_scaler_step(&mut self) {
+        self.door = FrontDoor::TorchAmp;
     }
 
     /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
@@ -545,10 +613,11 @@ impl AmpOptimizer {
         self.check_clip_stage()?;
         // In torch's parameter order, the order of Apex's `amp.master_params(optimizer)`: the
         // per-parameter norms are summed in it.
-        let params: Vec<Tensor> = torch_groups(&self.entries)
-            .into_iter()
-            .flatten()
-            .map(|i| self.entries[i].update_target().shallow_clone())
+        let order = torch_order(&self.entries);
+        let group_of = self.inner.group_of();
+        let params: Vec<Tensor> = (0..self.inner.groups().len())
+            .flat_map(|slot| order.iter().filter(move |&&i| group_of[i] == slot))
+            .map(|&i| self.entries[i].update_target().shallow_clone())
             .collect();
         let total = clip_grads(&params, max_norm, norm_type, NonFiniteNorm::Skip)?;
         crate::counters::note_host_read();

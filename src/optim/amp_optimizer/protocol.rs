@@ -128,6 +128,7 @@ impl AmpOptimizer {
     /// `scale_loss` entry: set aside existing gradients so that the new, scaled ones can be
     /// unscaled alone and added back (gradient accumulation across losses/iterations).
     pub(crate) fn begin_backward(&mut self) -> Result<()> {
+        self.door = super::FrontDoor::Apex;
         if matches!(self.stage, Stage::Scaled) {
             return Ok(());
         }
@@ -149,6 +150,7 @@ impl AmpOptimizer {
     /// A `scale_loss` pass that handed the loss straight to backward (disabled AMP, or a
     /// static scale of 1 without masters): the gradients are as backward left them.
     pub(crate) fn note_pass_through(&mut self) {
+        self.door = super::FrontDoor::Apex;
         self.enter(Stage::Unscaled);
     }
 

@@ -360,28 +360,35 @@ impl AmpOptimizer {
 
 impl AmpOptimizer {
     /// Per parameter, in [`Self::param_names`] order, what mapping torch.optim's state dicts
-    /// needs (`crate::torch_checkpoint`): its tch parameter group, its shape, whether it has an
-    /// fp32 master and the dtype of its optimizer state.
+    /// needs (`crate::torch_checkpoint`): its tch parameter group, its parameter group's
+    /// position, its place in the VarStore's creation order, whether it has an fp32 master and
+    /// the dtype it is updated in.
     pub(crate) fn param_layout(&self) -> Vec<ParamLayout> {
         self.entries
             .iter()
-            .map(|e| ParamLayout {
+            .zip(self.inner.group_of())
+            .map(|(e, &slot)| ParamLayout {
                 group: e.group(),
-                shape: e.model().size(),
+                slot,
+                order: e.order(),
                 has_master: e.master().is_some(),
-                state_kind: self.inner.state_kind(e.update_target().kind()),
+                kind: e.update_target().kind(),
             })
             .collect()
     }
-}
 
-impl AmpOptimizer {
-    /// The parameters' names in torch's order, one list per torch param group (see
-    /// `optim::params::torch_groups`).
-    pub(crate) fn torch_param_groups(&self) -> Vec<Vec<&str>> {
-        super::super::params::torch_groups(&self.entries)
-            .into_iter()
-            .map(|g| g.into_iter().map(|i| self.entries[i].name()).collect())
+    /// The state tensors parameter `i` keeps in a group with hyper-parameters `hyper`, by
+    /// name: (name, dtype, shape), sorted by name.
+    pub(crate) fn state_layout(&self, i: usize, hyper: &HyperParams) -> Vec<(String, Kind, Vec<i64>)> {
+        let target = self.entries[i].update_target();
+        let mut specs = self.inner.rule().state_spec(hyper);
+        specs.sort_by(|a, b| a.name().cmp(b.name()));
+        specs
+            .iter()
+            .map(|s| {
+                let (kind, shape) = s.expected(target, self.inner.state_kind(target.kind()));
+                (s.name().to_string(), kind, shape)
+            })
             .collect()
     }
 }
@@ -389,10 +396,14 @@ impl AmpOptimizer {
 /// One parameter of an optimizer as [`AmpOptimizer::param_layout`] describes it.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamLayout {
+    /// Its tch parameter group (`Path::set_group`).
     pub(crate) group: usize,
-    pub(crate) shape: Vec<i64>,
+    /// The position of its parameter group in [`AmpOptimizer::param_groups`].
+    pub(crate) slot: usize,
+    pub(crate) order: usize,
     pub(crate) has_master: bool,
-    pub(crate) state_kind: Kind,
+    /// The dtype it is updated in (the master's, or the variable's).
+    pub(crate) kind: Kind,
 }
 
 /// A record checked against an optimizer, its tensors on the parameters' device.
