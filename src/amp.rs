@@ -474,6 +474,7 @@ impl Amp {
                 loss.f_to_kind(Kind::Float).ctx("loss.float()")?
             };
             self.run_backward(backward, &l)?;
+            crate::doctor::watch::next_batch();
             optimizers.iter_mut().for_each(|o| o.note_pass_through());
             return Ok(outcome(false, scale, false, true));
         }
@@ -588,6 +589,7 @@ impl Amp {
                 dynamic: scaler.is_dynamic(),
                 overflows_at_floor: scaler.overflows_at_floor(),
                 params,
+                first_non_finite: crate::doctor::watch::overflow_origin(scale),
             };
             if self.props.verbosity() >= 1 {
                 log::warn!("{report}");
@@ -607,6 +609,7 @@ impl Amp {
                     passes,
                     loss_scale: new_scale,
                     params: report.first_params(5),
+                    first_non_finite: report.first_non_finite.as_ref().map(ToString::to_string),
                 }),
                 _ => None,
             };
@@ -615,11 +618,22 @@ impl Amp {
             }
             self.last_overflows[loss_id] = Some(report);
         } else if let Some(Collapse::ZeroGradients { first_pass, passes }) = collapse {
-            let info =
-                CollapseInfo { overflow: false, loss_id, first_pass, passes, loss_scale: new_scale, params: vec![] };
+            let info = CollapseInfo {
+                overflow: false,
+                loss_id,
+                first_pass,
+                passes,
+                loss_scale: new_scale,
+                params: vec![],
+                first_non_finite: None,
+            };
             for o in optimizers.iter_mut() {
                 o.mark_vanished(info.clone());
             }
+        }
+        if !skip {
+            // A clean pass: a watch starts the next batch afresh.
+            crate::doctor::watch::next_batch();
         }
         Ok(new_scale)
     }
@@ -628,7 +642,7 @@ impl Amp {
 /// The loss is one value with an autograd graph, on the optimizers' device. Checked before
 /// `backward` (tch's `backward` panics with a C++ trace on each of these).
 fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
-    crate::error::check_loss_value(loss)?;
+    crate::error::check_loss_value(loss, "scale_loss")?;
     let device = loss.device();
     if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
         let problem = format!("is on {device:?} but an optimizer's parameters are on {params:?}: compute it there");

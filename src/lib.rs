@@ -89,6 +89,9 @@
 //!   [`optim::OptimizerRecord`]), and their errors.
 //! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
 //! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
+//! - [`doctor`] (`src/doctor/`): the precision doctor ([`doctor::Doctor`]: which layer overflows,
+//!   underflows or loses precision in fp16/bf16, from one batch, and what to do) and its opt-in
+//!   hook into training ([`doctor::watch`]).
 //! - [`float8`] (`src/float8/`): FP8 training of linear layers, torchao's recipes
 //!   ([`float8::Float8LinearConfig`], [`float8::Float8Training`], [`float8::Float8Linear`])
 //!   and Transformer Engine's delayed scaling ([`float8::DelayedScaling`]).
@@ -127,6 +130,7 @@ mod counters;
 #[doc(hidden)]
 pub mod diagnostics;
 pub mod distributed;
+pub mod doctor;
 mod dtype;
 pub mod ema;
 pub mod error;

@@ -68,6 +68,19 @@ impl Autocast {
         self
     }
 
+    /// The device type it acts on.
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The dtype the scope would take on this thread: the one set, else the thread's current.
+    pub(crate) fn resolved_dtype(&self) -> Result<Kind> {
+        Ok(match self.dtype {
+            Some(d) => d,
+            None => autocast_state(self.device)?.dtype,
+        })
+    }
+
     /// The low-precision dtype: `Kind::BFloat16` or `Kind::Half`.
     pub fn dtype(mut self, dtype: Kind) -> Self {
         self.dtype = Some(dtype);

@@ -179,14 +179,15 @@ pub enum UsageError {
     /// after an overflow lands here).
     #[error("step() found no gradients: run scale_loss (the backward pass) once before each step()")]
     NoGradients,
-    /// The loss given to `scale_loss` (or `GradScaler::scale`) cannot be back-propagated as it
+    /// The loss given to `scale_loss` (or `GradScaler::scale`, or returned to the precision
+    /// doctor) cannot be back-propagated as it
     /// is: it is not a single value (reduce it with `mean()` or `sum()`), it does not require
     /// grad (compute it from the model's trainable variables, outside `no_grad`, without
     /// `detach`), it lives on another device than an optimizer's parameters, or it is not
     /// floating point (a scaled integer loss is a bug; torch would promote it to fp32).
     #[error("the loss given to {call} {problem}")]
     BadLoss {
-        /// The call: `"scale_loss"` or `"GradScaler::scale"`.
+        /// The call: `"scale_loss"`, `"GradScaler::scale"` or `"the precision doctor"`.
         call: &'static str,
         /// What is wrong with it, and what to do.
         problem: String,
@@ -277,10 +278,14 @@ pub enum Divergence {
     /// loss or the gradients are inf/NaN at every step. Look for a NaN in the data or the
     /// loss, a too high learning rate, or an op that overflows in fp16 (see
     /// `Amp::last_overflow` for the counts). `AmpConfig::collapse_limit(0)` skips forever, as
-    /// Apex.
+    /// Apex. With a [`crate::doctor::Watch`] alive, `first_non_finite` names the op and module
+    /// where the last overflowing batch first produced inf/NaN; [`crate::doctor::Doctor`]
+    /// diagnoses that batch in full.
     #[error(
         "loss scaler {loss_id} collapsed: passes {first_pass}..={last_pass} overflowed at the floor scale \
-         {loss_scale:e} (first non-finite: {params:?}); look for NaN in the data or loss, or lower the learning rate"
+         {loss_scale:e} (first non-finite: {params:?}{}); look for NaN in the data or loss, or lower the \
+         learning rate",
+        first_non_finite.as_ref().map_or(String::new(), |o| format!("; first inf/NaN at {o}"))
     )]
     ScaleCollapsed {
         /// The loss whose scaler collapsed.
@@ -296,6 +301,9 @@ pub enum Divergence {
         /// The first parameters (model order, at most 5) with non-finite gradients at the last
         /// overflow.
         params: Vec<String>,
+        /// Where the last overflowing batch first produced inf/NaN (a
+        /// [`crate::doctor::NonFiniteOrigin`] as text), when a [`crate::doctor::Watch`] was alive.
+        first_non_finite: Option<String>,
     },
     /// The loss scale sits at its floor and the gradients of `passes` consecutive clean
     /// backward passes were all exactly zero: the scaled gradients underflow and the model has
@@ -372,9 +380,9 @@ pub enum StateError {
     },
 }
 
-/// [`UsageError::BadLoss`] unless `loss` is one value with an autograd graph (what `backward`
-/// needs; tch's `backward` panics with a C++ trace otherwise).
-pub(crate) fn check_loss_value(loss: &tch::Tensor) -> Result<()> {
+/// [`UsageError::BadLoss`] (naming `call`) unless `loss` is one value with an autograd graph
+/// (what `backward` needs; tch's `backward` panics with a C++ trace otherwise).
+pub(crate) fn check_loss_value(loss: &tch::Tensor, call: &'static str) -> Result<()> {
     let problem = if !loss.defined() {
         "is undefined: pass the loss tensor itself".to_string()
     } else if loss.numel() != 1 {
@@ -384,5 +392,5 @@ pub(crate) fn check_loss_value(loss: &tch::Tensor) -> Result<()> {
     } else {
         return Ok(());
     };
-    Err(AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem }))
+    Err(AmpError::Usage(UsageError::BadLoss { call, problem }))
 }

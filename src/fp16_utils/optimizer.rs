@@ -497,7 +497,7 @@ impl Fp16Optimizer {
     /// Checked before backward runs: [`UsageError::BadLoss`](crate::error::UsageError::BadLoss);
     /// afterwards [`AmpError::Torch`] from backward.
     pub fn backward_with(&mut self, loss: &Tensor, update_master_grads: bool) -> Result<()> {
-        crate::error::check_loss_value(loss)?;
+        crate::error::check_loss_value(loss, "scale_loss")?;
         let scaled = loss.f_to_kind(Kind::Float).ctx("loss.float()")? * self.scaler.loss_scale();
         scaled.f_backward().ctx("backward")?;
         self.pending_update = true;

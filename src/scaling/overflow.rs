@@ -3,6 +3,8 @@
 //! flag, as before).
 use std::fmt;
 
+use crate::doctor::NonFiniteOrigin;
+
 /// One parameter with non-finite gradient values at an overflow.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NonFiniteGrad {
@@ -36,6 +38,9 @@ pub struct OverflowReport {
     /// or NaN: each optimizer given to `scale_loss` in turn, its parameters in model order
     /// (the order the variables were created in the `VarStore`).
     pub params: Vec<NonFiniteGrad>,
+    /// Where the batch's first inf/NaN appeared, when a [`crate::doctor::Watch`] was alive on
+    /// the thread (`None` otherwise, or when no observed op produced it).
+    pub first_non_finite: Option<NonFiniteOrigin>,
 }
 
 impl OverflowReport {
@@ -47,7 +52,8 @@ impl OverflowReport {
 
 impl fmt::Display for OverflowReport {
     /// The lines printed at verbosity >= 1: Apex's overflow line (worded for a kept scale),
-    /// then the parameters with non-finite gradients (the first 8).
+    /// where the first inf/NaN appeared (with a [`crate::doctor::Watch`]), then the parameters
+    /// with non-finite gradients (the first 8).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let id = self.loss_id;
         if self.new_loss_scale < self.loss_scale {
@@ -76,6 +82,9 @@ impl fmt::Display for OverflowReport {
                 "Gradient overflow.  Skipping step, loss scaler {id} keeps loss scale {} (hysteresis)",
                 self.loss_scale
             )?;
+        }
+        if let Some(origin) = &self.first_non_finite {
+            write!(f, "\n  first non-finite: {origin}")?;
         }
         if self.params.is_empty() {
             return Ok(());

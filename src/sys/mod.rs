@@ -19,6 +19,7 @@ pub(crate) mod cast;
 pub(crate) mod cpu;
 pub(crate) mod distributed;
 mod grads;
+pub(crate) mod observer;
 mod optim;
 
 pub(crate) use autocast::{

@@ -357,7 +357,8 @@ impl GradScaler {
 
     /// torch's `step(optimizer)`: unscales first unless [`Self::unscale_`] already ran, then
     /// calls `optimizer.step()` unless the gradients held inf/NaN. Reads the inf flags (one host
-    /// sync per device). Disabled: `optimizer.step()`.
+    /// sync per device). Disabled: `optimizer.step()`. With a [`crate::doctor::Watch`] alive on
+    /// the thread, a skipped step logs (warn) where the batch's first inf/NaN appeared.
     ///
     /// # Errors
     /// [`UsageError::CallOrder`] for a second `step` of the optimizer with no `update` in between,
@@ -398,7 +399,11 @@ impl GradScaler {
             optimizer.step()?;
             StepOutcome::Stepped
         } else {
-            log::debug!("GradScaler: inf/NaN gradients, step skipped");
+            // With a doctor::Watch on this thread: where the batch's first inf/NaN appeared.
+            match crate::doctor::watch::overflow_origin(self.get_scale()) {
+                Some(origin) => log::warn!("GradScaler: inf/NaN gradients, step skipped; first inf/NaN at {origin}"),
+                None => log::debug!("GradScaler: inf/NaN gradients, step skipped"),
+            }
             // The scale update() will set: torch's _amp_update_scale_ multiplies in fp32.
             let loss_scale = f64::from(self.get_scale() as f32 * self.backoff_factor as f32);
             StepOutcome::Skipped { loss_id: 0, loss_scale }
@@ -444,6 +449,7 @@ impl GradScaler {
             self.growth_interval,
         )?;
         self.per_optimizer.clear();
+        crate::doctor::watch::next_batch();
         Ok(())
     }
 

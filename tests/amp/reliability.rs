@@ -211,8 +211,11 @@ fn nan_loss_every_step_ends_in_scale_collapsed() {
             passes,
             loss_scale,
             params,
+            first_non_finite,
         }) => {
             assert_eq!((*loss_id, *first_pass, *last_pass, *passes), (0, 40, 59, 20));
+            // No doctor::Watch on this thread: nothing localized.
+            assert_eq!(first_non_finite, &None);
             assert_eq!(*loss_scale, FLOOR);
             // tch's linear creates its bias before its weight.
             assert_eq!(params, &["fc1.bias", "fc1.weight", "bn1.weight", "bn1.bias", "fc2.bias"]);

@@ -30,6 +30,8 @@ pub(crate) struct CollapseInfo {
     pub(crate) passes: u64,
     pub(crate) loss_scale: f64,
     pub(crate) params: Vec<String>,
+    /// Where the last overflow's first inf/NaN appeared (with a `doctor::Watch`).
+    pub(crate) first_non_finite: Option<String>,
 }
 
 impl CollapseInfo {
@@ -44,6 +46,7 @@ impl CollapseInfo {
                 passes,
                 loss_scale,
                 params: self.params,
+                first_non_finite: self.first_non_finite,
             })
         } else {
             AmpError::Diverged(Divergence::GradientsVanished { loss_id, first_pass, last_pass, passes, loss_scale })
