@@ -92,10 +92,9 @@
 //! - [`float8`] (`src/float8/`): FP8 training of linear layers, torchao's recipes
 //!   ([`float8::Float8LinearConfig`], [`float8::Float8Training`], [`float8::Float8Linear`])
 //!   and Transformer Engine's delayed scaling ([`float8::DelayedScaling`]).
-//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: the scaler's
-//!   ([`torch_amp::GradScalerOptions`],
-//!   [`torch_amp::ScalerOptimizer`] for any optimizer),
-//!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
+//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: the scaler's options
+//!   ([`torch_amp::GradScalerOptions`]), [`torch_amp::clip_grad_norm_`], Lightning's precision
+//!   flags ([`torch_amp::Precision`]); the scaler steps any [`optim::Optimizer`].
 //! - [`error`] (`src/error/`): the groups of [`AmpError`], one per thing a caller can do
 //!   ([`error::ConfigError`], [`error::UsageError`], [`error::OpRefused`],
 //!   [`error::Divergence`], [`error::StateError`]).

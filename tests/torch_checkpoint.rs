@@ -903,7 +903,7 @@ mod nanogpt {
     use tch::nn::{self, Module};
     use tch::{Device, Kind, Tensor};
     use tch_amp::Autocast;
-    use tch_amp::{Amp, AmpConfig, AmpOptimizer, CpuKernels, GradScaler, OptLevel, ParamGroup};
+    use tch_amp::{AmpOptimizer, CpuKernels, GradScaler, ParamGroup};
 
     pub const VOCAB: i64 = 64;
     pub const BLOCK: i64 = 16;
@@ -1032,12 +1032,11 @@ mod nanogpt {
     pub fn run(wd: f64, no_wd: f64) -> Run {
         let vs = nn::VarStore::new(Device::Cpu);
         let gpt = Gpt::new(&vs);
-        // An fp32 optimizer (O0): torch.amp keeps the parameters in fp32.
-        let amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
+        // torch.optim's AdamW without AMP: torch.amp keeps the parameters in fp32.
         let adamw = nn::AdamW { beta1: 0.9, beta2: 0.95, wd: 0.01, eps: 1e-8, amsgrad: false };
         let groups =
             [ParamGroup::matching_var(|_, v| v.dim() >= 2).weight_decay(wd), ParamGroup::rest().weight_decay(no_wd)];
-        let opt = amp.optimizer_groups(&vs, adamw, LEARNING_RATE, &groups).unwrap();
+        let opt = tch_amp::AmpOptimizer::new(&vs, adamw, LEARNING_RATE, &groups).unwrap();
         let vars = vs.variables();
         let params = Gpt::parameter_names().iter().map(|n| vars[n].shallow_clone()).collect();
         Run { vs, gpt, opt, scaler: GradScaler::new(Device::Cpu), params, rec: Vec::new() }

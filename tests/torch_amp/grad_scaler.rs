@@ -118,9 +118,13 @@ fn state_dict_round_trips_through_torch_save_files() {
 /// A user's optimizer: plain SGD with lr 1 over its tensors.
 struct Plain(Vec<Tensor>);
 
-impl tch_amp::torch_amp::ScalerOptimizer for Plain {
+impl tch_amp::optim::Optimizer for Plain {
     fn params(&self) -> Vec<Tensor> {
         self.0.iter().map(Tensor::shallow_clone).collect()
+    }
+    fn zero_grad(&mut self) -> tch_amp::Result<()> {
+        self.0.iter().for_each(|p| p.shallow_clone().zero_grad());
+        Ok(())
     }
     fn step(&mut self) -> tch_amp::Result<()> {
         let _g = tch::no_grad_guard();
