@@ -173,8 +173,9 @@ fn st_dtype(kind: Kind) -> Result<Dtype> {
         Kind::Bool => Dtype::BOOL,
         other => {
             return Err(AmpError::State(StateError::DtypeMismatch {
-                name: "a checkpointed tensor".into(),
-                expected: "a dtype safetensors stores",
+                path: "a checkpointed tensor".into(),
+                target: "a safetensors file".into(),
+                expected: "a dtype safetensors stores".into(),
                 found: other,
             }))
         }
@@ -722,6 +723,7 @@ pub fn load_model_weights(
             what: "model weights".to_string(),
             missing_keys: report.missing_keys,
             unexpected_keys: report.unexpected_keys,
+            remedy: "load with strict = false".to_string(),
         }));
     }
     let _no_grad = tch::no_grad_guard();
@@ -776,11 +778,12 @@ pub fn load_optimizer_state(
         let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
         staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
-            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, .. }) => {
+            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, remedy, .. }) => {
                 AmpError::State(StateError::IncompatibleKeys {
                     what: format!("optimizer {i} state"),
                     missing_keys,
                     unexpected_keys,
+                    remedy,
                 })
             }
             other => other,

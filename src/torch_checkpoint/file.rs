@@ -1,16 +1,15 @@
 //! Loading and saving `torch.save` checkpoints (see the module above).
-use crate::error::StateError;
 use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::error::{Result, TorchCheckpointError};
+use super::error::bad_value;
 use super::optim::default_param_order;
 use super::options::{TorchLoadOptions, TorchParamOrder, TorchSaveOptions};
 use super::{model, optim};
 #[cfg(doc)]
 use crate::amp::Amp;
-use crate::error::AmpError;
+use crate::error::{AmpError, ConfigError, Result, StateError};
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord};
 use crate::scaling::CheckpointScalers;
 use crate::torch_io::{self, Dict, Key, LoadOptions, Node, Value};
@@ -48,10 +47,10 @@ pub struct TorchLoadReport {
 /// the VarStore's device.
 ///
 /// # Errors
-/// [`TorchCheckpointError::File`] when the file cannot be read (truncated, wrong magic, a pickle
+/// [`AmpError::File`] when the file cannot be read (truncated, wrong magic, a pickle
 /// naming a global outside torch's weights-only set, ...) or an entry is of the wrong type (the
-/// message names its path); [`TorchCheckpointError::MissingEntry`] for an entry the options
-/// name that the file lacks; [`TorchCheckpointError`] when it does not fit (keys, shapes, dtypes,
+/// message names its path); [`StateError::MissingEntry`](crate::error::StateError::MissingEntry) for an entry the options
+/// name that the file lacks; [`StateError`] when it does not fit (keys, shapes, dtypes,
 /// optimizer class, hyper-parameters, parameter count or order, non-finite values);
 /// [`StateError::StateMismatch`] for a scaler state the scalers refuse. Nothing is changed on
 /// error.
@@ -67,9 +66,9 @@ pub fn load_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     load_torch_checkpoint_value(value, vs, optimizers, scalers, options)
 }
 
-/// The entry `key` of the checkpoint dict, or [`TorchCheckpointError::MissingEntry`].
+/// The entry `key` of the checkpoint dict, or [`StateError::MissingEntry`](crate::error::StateError::MissingEntry).
 fn entry<'a>(root: &Node<'a>, key: &str, holds: &'static str, remedy: &'static str) -> Result<Node<'a>> {
-    root.get_opt(key)?.ok_or_else(|| TorchCheckpointError::MissingEntry { key: key.to_string(), holds, remedy })
+    root.get_opt(key)?.ok_or_else(|| AmpError::State(StateError::MissingEntry { key: key.to_string(), holds, remedy }))
 }
 
 /// [`load_torch_checkpoint`] on a checkpoint already read with [`torch_io::load`].
@@ -84,7 +83,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
     if !optimizers.is_empty() && optimizers.len() != options.optimizer_keys.len() {
-        return Err(TorchCheckpointError::Options {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
             message: format!(
                 "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
                  TorchLoadOptions::optimizer_keys",
@@ -92,16 +91,16 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                 options.optimizer_keys.len(),
                 options.optimizer_keys
             ),
-        });
+        }));
     }
     for (what, map) in [
         ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
         ("master_params", options.master_params.keys().collect()),
     ] {
         if let Some(i) = map.into_iter().find(|&&i| i >= optimizers.len()) {
-            return Err(TorchCheckpointError::Options {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
                 message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers.len()),
-            });
+            }));
         }
     }
     let root = checkpoint.node();
@@ -124,12 +123,12 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                 Some(node)
             }
             None if options.amp_required => {
-                return Err(TorchCheckpointError::MissingEntry {
+                return Err(AmpError::State(StateError::MissingEntry {
                     key: key.clone(),
                     holds: "the loss scalers' state",
                     remedy: "name its entry with TorchLoadOptions::amp_key(Some(key), true), or load without it \
                              (the scalers keep their state) with TorchLoadOptions::amp_key(None, false)",
-                })
+                }))
             }
             None => None,
         },
@@ -192,15 +191,15 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
             let flat: Vec<&String> = order.iter().flatten().collect();
             let items = list.elements()?;
             if items.len() != flat.len() {
-                return Err(TorchCheckpointError::BadValue {
-                    path: list.path(),
-                    message: format!(
+                return Err(bad_value(
+                    list.path(),
+                    format!(
                         "{} master parameters, optimizer {i} has {} (the list is amp.master_params(optimizer): \
                          every parameter of its groups in order)",
                         items.len(),
                         flat.len()
                     ),
-                });
+                ));
             }
             let position: std::collections::HashMap<&str, usize> =
                 o.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
@@ -209,23 +208,23 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                 let var = &vars[name.as_str()];
                 let t = item.as_tensor()?;
                 if t.size() != var.size() {
-                    return Err(TorchCheckpointError::ShapeMismatch {
+                    return Err(AmpError::State(StateError::ShapeMismatch {
                         path: item.path(),
                         target: name.clone(),
                         expected: var.size(),
                         found: t.size(),
-                    });
+                    }));
                 }
                 if !crate::dtype::is_floating(t.kind()) {
-                    return Err(TorchCheckpointError::DtypeMismatch {
+                    return Err(AmpError::State(StateError::DtypeMismatch {
                         path: item.path(),
                         target: name.clone(),
                         expected: "a floating dtype".into(),
                         found: t.kind(),
-                    });
+                    }));
                 }
                 if !model::all_finite(t)? {
-                    return Err(TorchCheckpointError::NonFinite { path: item.path() });
+                    return Err(AmpError::State(StateError::NonFinite { path: item.path() }));
                 }
                 let kind = if layout[pos].has_master { Kind::Float } else { var.kind() };
                 if t.kind() != kind {
@@ -287,10 +286,10 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
 /// storage with the masters and the optimizer state: save it before the next step.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`Options`) for options that do not fit the call (a key per
+/// [`ConfigError::OptionsMismatch`] for options that do not fit the call (a key per
 /// optimizer, no entry named like the model, optimizer, scaler or master-parameter entry, a
 /// `param_order` that covers the optimizer's parameters once and keeps each group to one set of
-/// values, `tied` names of a variable and of no variable); [`TorchCheckpointError::NoTorchForm`]
+/// values, `tied` names of a variable and of no variable); [`ConfigError::NoTorchForm`](crate::error::ConfigError::NoTorchForm)
 /// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read.
 pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     vs: &VarStore,
@@ -298,7 +297,7 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     scalers: &S,
     options: &TorchSaveOptions,
 ) -> Result<Value> {
-    let options_err = |message: String| TorchCheckpointError::Options { message };
+    let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
     if optimizers.len() != options.optimizer_keys.len() {
         return Err(options_err(format!(
             "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
@@ -372,7 +371,7 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
 /// the previous file or the complete new one.
 ///
 /// # Errors
-/// As [`torch_checkpoint_value`], and [`TorchCheckpointError::File`] when the file cannot be written
+/// As [`torch_checkpoint_value`], and [`AmpError::File`] when the file cannot be written
 /// (the previous file is intact).
 pub fn save_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
@@ -407,7 +406,7 @@ pub fn optimizer_record_from_torch(
 /// group's `param_names`.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] when `order` does not name each parameter once or puts
+/// [`StateError::ParamOrder`] when `order` does not name each parameter once or puts
 /// parameters of different learning rates into one group.
 pub fn optimizer_record_to_torch(
     record: &OptimizerRecord,
@@ -422,7 +421,7 @@ pub fn optimizer_record_to_torch(
 /// [module docs](crate::torch_checkpoint)).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`ParamCount`, `ParamOrder`) as [`load_torch_checkpoint`].
+/// [`StateError::ParamCount`], [`StateError::ParamOrder`] as [`load_torch_checkpoint`].
 pub fn param_order_from_torch(
     state_dict: &Value,
     optimizer: &AmpOptimizer,
@@ -441,11 +440,11 @@ pub fn param_order_from_torch(
 /// update as torch.optim.SGD).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`BadValue`) for a state dict of another class than torch.optim's
+/// [`StateError::StateMismatch`] for a state dict of another class than torch.optim's
 /// SGD, Adam, AdamW and RMSprop and Apex's FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and
 /// FusedAdagrad, or an Adam-family state dict that does not say which of the two it is
 /// (torch < 2.6);
-/// [`TorchCheckpointError::File`] for a missing or mistyped entry.
+/// [`AmpError::File`] for a missing or mistyped entry.
 pub fn optimizer_config(state_dict: &Value) -> Result<(OptimizerConfig, f64)> {
     optim::config_from_node(&state_dict.node())
 }

@@ -5,11 +5,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::error::Result;
-use super::error::TorchCheckpointError;
+use super::error::bad_value;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+
 use super::options::{KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use crate::dtype::{is_floating, is_low_precision};
-use crate::error::{AmpError, TorchContext};
+use crate::error::TorchContext;
 use crate::optim::{torch_param_order, OptimizerRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -38,10 +39,10 @@ pub(super) struct StagedModel {
 fn key_str<'a>(node: &Node<'_>, key: &'a Key) -> Result<&'a str> {
     match key {
         Key::Str(s) => Ok(s),
-        Key::Int(i) => Err(TorchCheckpointError::BadValue {
-            path: node.path(),
-            message: format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
-        }),
+        Key::Int(i) => Err(bad_value(
+            node.path(),
+            format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
+        )),
     }
 }
 
@@ -132,22 +133,22 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
             staged.order.push(name.to_string());
         }
         if !loaded.insert(name) {
-            return Err(TorchCheckpointError::BadValue {
-                path: entry.path(),
-                message: format!("{name} appears twice once the prefix {prefix:?} is stripped"),
-            });
+            return Err(bad_value(
+                entry.path(),
+                format!("{name} appears twice once the prefix {prefix:?} is stripped"),
+            ));
         }
         if t.size() != var.size() {
-            return Err(TorchCheckpointError::ShapeMismatch {
+            return Err(AmpError::State(StateError::ShapeMismatch {
                 path: entry.path(),
                 target: name.to_string(),
                 expected: var.size(),
                 found: t.size(),
-            });
+            }));
         }
         check_dtype(&entry.path(), name, t.kind(), var.kind(), options.exact_dtypes)?;
         if !all_finite(t)? {
-            return Err(TorchCheckpointError::NonFinite { path: entry.path() });
+            return Err(AmpError::State(StateError::NonFinite { path: entry.path() }));
         }
         let on_device = t.f_to_device(var.device()).ctx("moving a state dict entry to the VarStore's device")?;
         if is_low_precision(var.kind()) {
@@ -162,10 +163,15 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
     }
     staged.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
     if options.strict && !(staged.missing.is_empty() && staged.unexpected.is_empty()) {
-        return Err(TorchCheckpointError::KeysMismatch {
-            missing: std::mem::take(&mut staged.missing),
-            unexpected: std::mem::take(&mut staged.unexpected),
-        });
+        let (missing_keys, unexpected_keys) =
+            (std::mem::take(&mut staged.missing), std::mem::take(&mut staged.unexpected));
+        let remedy = super::error::mismatch_remedy(&missing_keys, &unexpected_keys);
+        return Err(AmpError::State(StateError::IncompatibleKeys {
+            what: "the model state dict".to_string(),
+            missing_keys,
+            unexpected_keys,
+            remedy,
+        }));
     }
     Ok(staged)
 }
@@ -190,7 +196,12 @@ fn check_dtype(path: &str, name: &str, found: Kind, var: Kind, exact: bool) -> R
     } else {
         format!("a floating dtype (the variable is {var:?})")
     };
-    Err(TorchCheckpointError::DtypeMismatch { path: path.to_string(), target: name.to_string(), expected, found })
+    Err(AmpError::State(StateError::DtypeMismatch {
+        path: path.to_string(),
+        target: name.to_string(),
+        expected,
+        found,
+    }))
 }
 
 /// The trainable variables' names in the VarStore's creation order (tch keeps groups and
@@ -272,7 +283,7 @@ pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &T
         }
     }
     for (alias, variable) in &options.tied {
-        let options_err = |message: String| TorchCheckpointError::Options { message };
+        let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
         if vars.contains_key(alias) {
             return Err(options_err(format!(
                 "tied({alias:?}, {variable:?}): {alias} is a variable of the VarStore itself"

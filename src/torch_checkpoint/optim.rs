@@ -20,8 +20,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use tch::{nn, Device, Kind, Tensor};
 
-use super::error::Result;
-use super::error::TorchCheckpointError as E;
+use super::error::bad_value;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+
 use super::options::TorchParamOrder;
 use crate::dtype::is_floating;
 use crate::error::TorchContext;
@@ -205,7 +206,11 @@ const NOVOGRAD_NORMS: &str = "exp_avg_sq";
 
 /// The class of tch-amp's `kind`, or the typed error for an optimizer without a torch form.
 fn class_of(kind: &str, optimizer: usize) -> Result<&'static Class> {
-    CLASSES.iter().copied().find(|c| c.kind == kind).ok_or_else(|| E::NoTorchForm { optimizer, kind: kind.to_string() })
+    CLASSES
+        .iter()
+        .copied()
+        .find(|c| c.kind == kind)
+        .ok_or_else(|| AmpError::Config(ConfigError::NoTorchForm { optimizer, kind: kind.to_string() }))
 }
 
 /// The optimizer class a param group's keys describe.
@@ -252,12 +257,11 @@ impl FileKind {
         if has("eps")? && !has("lr_decay")? && !has("initial_accumulator_value")? {
             return Ok(FileKind::FusedAdagrad);
         }
-        Err(E::BadValue {
-            path: group.path(),
-            message: "a param group of none of the optimizers tch-amp maps (torch.optim's SGD, Adam, AdamW and \
-                      RMSprop; apex.optimizers' FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and FusedAdagrad)"
-                .into(),
-        })
+        Err(bad_value(
+            group.path(),
+            "a param group of none of the optimizers tch-amp maps (torch.optim's SGD, Adam, AdamW and \
+                      RMSprop; apex.optimizers' FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and FusedAdagrad)",
+        ))
     }
 
     fn name(self) -> &'static str {
@@ -345,10 +349,7 @@ fn group_values(g: &Node<'_>, class: &Class) -> Result<(Vec<GroupValue>, Vec<Gro
                     Some(betas) => {
                         let b = betas.elements()?;
                         if b.len() != 2 {
-                            return Err(E::BadValue {
-                                path: betas.path(),
-                                message: format!("{} betas, expected 2", b.len()),
-                            });
+                            return Err(bad_value(betas.path(), format!("{} betas, expected 2", b.len())));
                         }
                         (number(&b[0])?, number(&b[1])?)
                     }
@@ -413,7 +414,7 @@ pub fn default_param_order(optimizer: &AmpOptimizer) -> TorchParamOrder {
 /// Checks that `order` has the file's group sizes and names each of the optimizer's
 /// parameters once.
 fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimizer, index: usize) -> Result<()> {
-    let err = |reason: String| E::ParamOrder { optimizer: index, reason };
+    let err = |reason: String| AmpError::State(StateError::ParamOrder { optimizer: index, reason });
     let got: Vec<usize> = order.iter().map(Vec::len).collect();
     if got != sizes {
         return Err(err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")));
@@ -445,8 +446,8 @@ fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimize
 /// file's group sizes puts each file group into one tch parameter group and no two into the same.
 ///
 /// # Errors
-/// [`E::ParamCount`] when the file's groups hold another number of parameters than the
-/// optimizer; [`E::ParamOrder`] when the order is ambiguous or does not fit.
+/// [`StateError::ParamCount`](crate::error::StateError::ParamCount) when the file's groups hold another number of parameters than the
+/// optimizer; [`StateError::ParamOrder`](crate::error::StateError::ParamOrder) when the order is ambiguous or does not fit.
 pub(super) fn resolve_order(
     node: &Node<'_>,
     optimizer: &AmpOptimizer,
@@ -460,7 +461,12 @@ pub(super) fn resolve_order(
     let total: usize = sizes.iter().sum();
     let names = optimizer.param_names();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
+        return Err(AmpError::State(StateError::ParamCount {
+            optimizer: index,
+            path: node.path(),
+            in_file: total,
+            in_optimizer: names.len(),
+        }));
     }
     if let Some(order) = explicit {
         check_order(order, &sizes, optimizer, index)?;
@@ -479,9 +485,10 @@ pub(super) fn resolve_order(
             })
             .collect::<Result<_>>()?;
         check_order(&order, &sizes, optimizer, index).map_err(|e| match e {
-            E::ParamOrder { optimizer, reason } => {
-                E::ParamOrder { optimizer, reason: format!("the file's param_names: {reason}") }
-            }
+            AmpError::State(StateError::ParamOrder { optimizer, reason }) => AmpError::State(StateError::ParamOrder {
+                optimizer,
+                reason: format!("the file's param_names: {reason}"),
+            }),
             other => other,
         })?;
         return Ok(order);
@@ -491,13 +498,13 @@ pub(super) fn resolve_order(
     if in_model.len() != names.len() {
         let listed: BTreeSet<&str> = in_model.iter().map(|s| s.as_str()).collect();
         let absent: Vec<&str> = names.iter().copied().filter(|n| !listed.contains(n)).take(5).collect();
-        return Err(E::ParamOrder {
+        return Err(AmpError::State(StateError::ParamOrder {
             optimizer: index,
             reason: format!(
                 "the file has no param_names and the parameters {absent:?} are not in the model state dict, whose \
                  order is model.parameters()'s"
             ),
-        });
+        }));
     }
     let layout = optimizer.param_layout();
     // The optimizer's groups, each in model order.
@@ -526,7 +533,7 @@ pub(super) fn resolve_order(
             let single = tch.len() == 1;
             let first = tch.iter().next().copied().unwrap_or(0);
             if !single || taken.insert(first, i).is_some() {
-                return Err(E::ParamOrder {
+                return Err(AmpError::State(StateError::ParamOrder {
                     optimizer: index,
                     reason: format!(
                         "the file has {} param groups of {sizes:?} parameters and no param_names; the optimizer's \
@@ -535,7 +542,7 @@ pub(super) fn resolve_order(
                          would be {g:?}), so the Python script built its groups in another way",
                         order.len()
                     ),
-                });
+                }));
             }
         }
     }
@@ -556,7 +563,7 @@ fn read_step(n: &Node<'_>) -> Result<u64> {
         _ => number(n)?,
     };
     if !(v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v <= 9_007_199_254_740_992.0) {
-        return Err(E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") });
+        return Err(bad_value(n.path(), format!("step {v} is not a count (an integer >= 0)")));
     }
     Ok(v as u64)
 }
@@ -588,7 +595,12 @@ pub(super) fn record_from_node(
     let names = optimizer.param_names();
     let total: usize = sizes.iter().sum();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
+        return Err(AmpError::State(StateError::ParamCount {
+            optimizer: index,
+            path: node.path(),
+            in_file: total,
+            in_optimizer: names.len(),
+        }));
     }
     check_order(order, &sizes, optimizer, index)?;
     let kind = optimizer.rule_kind().to_string();
@@ -605,17 +617,17 @@ pub(super) fn record_from_node(
     for (gi, g) in groups.iter().enumerate() {
         let file_kind = FileKind::of(g)?;
         if !file_kind.matches(&kind) {
-            return Err(E::OptimizerKind {
+            return Err(AmpError::State(StateError::OptimizerKind {
                 optimizer: index,
                 path: node.path(),
                 in_file: file_kind.name().into(),
                 in_optimizer: class.name.into(),
-            });
+            }));
         }
         let lr_node = g.get("lr")?;
         let lr = number(&lr_node)?;
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") });
+            return Err(bad_value(lr_node.path(), format!("lr {lr} must be finite and >= 0")));
         }
         first_lr.get_or_insert(lr);
         let step = match (class.group_step, g.get_opt("step")?) {
@@ -676,7 +688,7 @@ pub(super) fn record_from_node(
                 }
                 Some(other) => {
                     if other.lr.to_bits() != lr.to_bits() {
-                        return Err(E::HyperParameter {
+                        return Err(AmpError::State(StateError::HyperParameter {
                             optimizer: index,
                             path: g.path(),
                             name: "lr".into(),
@@ -686,28 +698,28 @@ pub(super) fn record_from_node(
                                 own.id
                             ),
                             remedy: group_remedy(),
-                        });
+                        }));
                     }
                     if let Some(((k, v, t), (_, w, _))) =
                         values.iter().zip(&other.values).find(|((_, v, _), (_, w, _))| v.to_bits() != w.to_bits())
                     {
-                        return Err(E::HyperParameter {
+                        return Err(AmpError::State(StateError::HyperParameter {
                             optimizer: index,
                             path: g.path(),
                             name: (*t).into(),
                             in_file: format!("{} here and {} in {}", show(k, *v), show(k, *w), other.path),
                             in_optimizer: format!("one value for parameter group {} (which holds {name})", own.id),
                             remedy: group_remedy(),
-                        });
+                        }));
                     }
                     if other.step != step {
-                        return Err(E::BadValue {
-                            path: g.path(),
-                            message: format!(
+                        return Err(bad_value(
+                            g.path(),
+                            format!(
                                 "step {step} here and {} in {}, for one parameter group of the optimizer",
                                 other.step, other.path
                             ),
-                        });
+                        ));
                     }
                 }
             }
@@ -739,10 +751,10 @@ pub(super) fn record_from_node(
     for (gi, (g_ids, g_names)) in ids.iter().zip(order).enumerate() {
         for (id, name) in g_ids.iter().zip(g_names) {
             if id_to_name.insert(*id, name.as_str()).is_some() {
-                return Err(E::BadValue {
-                    path: format!("{}.param_groups.{gi}.params", node.path()),
-                    message: format!("parameter index {id} is listed twice"),
-                });
+                return Err(bad_value(
+                    format!("{}.param_groups.{gi}.params", node.path()),
+                    format!("parameter index {id} is listed twice"),
+                ));
             }
         }
     }
@@ -763,24 +775,24 @@ pub(super) fn record_from_node(
         let name = names[pos];
         let t = v.as_tensor()?;
         if t.size() != want_shape {
-            return Err(E::ShapeMismatch {
+            return Err(AmpError::State(StateError::ShapeMismatch {
                 path: v.path(),
                 target: name.to_string(),
                 expected: want_shape.to_vec(),
                 found: t.size(),
-            });
+            }));
         }
         let ok = if exact_dtypes { t.kind() == want_kind } else { is_floating(t.kind()) };
         if !ok {
-            return Err(E::DtypeMismatch {
+            return Err(AmpError::State(StateError::DtypeMismatch {
                 path: v.path(),
                 target: name.to_string(),
                 expected: format!("{want_kind:?} (the optimizer keeps this state in it)"),
                 found: t.kind(),
-            });
+            }));
         }
         if !super::model::all_finite(t)? {
-            return Err(E::NonFinite { path: v.path() });
+            return Err(AmpError::State(StateError::NonFinite { path: v.path() }));
         }
         if t.kind() != want_kind {
             converted.push((v.path(), t.kind(), want_kind));
@@ -793,21 +805,20 @@ pub(super) fn record_from_node(
         let id = match key {
             Key::Int(i) => *i,
             Key::Str(s) => {
-                return Err(E::BadValue {
-                    path: state.path(),
-                    message: format!("has the key {s:?}; torch.optim keys its state by parameter index"),
-                })
+                return Err(bad_value(
+                    state.path(),
+                    format!("has the key {s:?}; torch.optim keys its state by parameter index"),
+                ))
             }
         };
-        let name = *id_to_name.get(&id).ok_or_else(|| E::BadValue {
-            path: st.path(),
-            message: format!("state for parameter index {id}, which no param group lists"),
+        let name = *id_to_name.get(&id).ok_or_else(|| {
+            bad_value(st.path(), format!("state for parameter index {id}, which no param group lists"))
         })?;
         let pos = position[name];
         for (k, v) in st.entries()? {
             let k = match k {
                 Key::Str(s) => s.as_str(),
-                Key::Int(i) => return Err(E::BadValue { path: st.path(), message: format!("unexpected int key {i}") }),
+                Key::Int(i) => return Err(bad_value(st.path(), format!("unexpected int key {i}"))),
             };
             if k == "step" {
                 if class.param_step {
@@ -822,13 +833,10 @@ pub(super) fn record_from_node(
                 expected[pos].iter().map(|(n, ..)| n.as_str()).filter(|n| !in_group(&kind, n)).collect();
             let Some((buf, want_kind, want_shape)) = expected[pos].iter().find(|(b, ..)| b == k && !in_group(&kind, b))
             else {
-                return Err(E::BadValue {
-                    path: v.path(),
-                    message: format!(
-                        "{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}",
-                        class.name
-                    ),
-                });
+                return Err(bad_value(
+                    v.path(),
+                    format!("{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}", class.name),
+                ));
             };
             let t = stage_tensor(&v, pos, *want_kind, want_shape)?;
             params[pos].buffers.insert(buf.clone(), t);
@@ -841,10 +849,10 @@ pub(super) fn record_from_node(
             let Some(norms) = g.get_opt(NOVOGRAD_NORMS)? else { continue };
             let parts = norms.elements()?;
             if parts.len() != 2 {
-                return Err(E::BadValue {
-                    path: norms.path(),
-                    message: format!("{} entries; FusedNovoGrad keeps [fp16 norms, fp32 norms]", parts.len()),
-                });
+                return Err(bad_value(
+                    norms.path(),
+                    format!("{} entries; FusedNovoGrad keeps [fp16 norms, fp32 norms]", parts.len()),
+                ));
             }
             for (part, half) in parts.iter().zip([true, false]) {
                 let members: Vec<usize> = order[gi]
@@ -854,7 +862,7 @@ pub(super) fn record_from_node(
                     .collect();
                 let t = part.as_tensor()?;
                 if t.size() != [members.len() as i64] {
-                    return Err(E::ShapeMismatch {
+                    return Err(AmpError::State(StateError::ShapeMismatch {
                         path: part.path(),
                         target: format!(
                             "the norms of param group {gi}'s {} parameters",
@@ -862,18 +870,18 @@ pub(super) fn record_from_node(
                         ),
                         expected: vec![members.len() as i64],
                         found: t.size(),
-                    });
+                    }));
                 }
                 if !is_floating(t.kind()) {
-                    return Err(E::DtypeMismatch {
+                    return Err(AmpError::State(StateError::DtypeMismatch {
                         path: part.path(),
                         target: format!("the norms of param group {gi}"),
                         expected: "a floating dtype".into(),
                         found: t.kind(),
-                    });
+                    }));
                 }
                 if !super::model::all_finite(t)? {
-                    return Err(E::NonFinite { path: part.path() });
+                    return Err(AmpError::State(StateError::NonFinite { path: part.path() }));
                 }
                 for (j, &pos) in members.iter().enumerate() {
                     let Some((buf, want_kind, _)) = expected[pos].iter().find(|(b, ..)| in_group(&kind, b)) else {
@@ -898,10 +906,10 @@ pub(super) fn record_from_node(
         if !p.buffers.is_empty() && p.buffers.len() != keeps {
             let have: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
             let want: Vec<&str> = expected[pos].iter().map(|(n, ..)| n.as_str()).collect();
-            return Err(E::BadValue {
-                path: format!("{}.state (parameter {})", node.path(), p.name),
-                message: format!("has {have:?}; {} keeps {want:?} together", class.name),
-            });
+            return Err(bad_value(
+                format!("{}.state (parameter {})", node.path(), p.name),
+                format!("has {have:?}; {} keeps {want:?} together", class.name),
+            ));
         }
         if class.group_step && !p.buffers.is_empty() {
             p.step = group_records[slot].step;
@@ -909,10 +917,10 @@ pub(super) fn record_from_node(
         // Classes that count steps (per group or per parameter) must have counted one.
         let counted = if class.group_step || class.param_step { p.step } else { 1 };
         if !p.buffers.is_empty() && counted == 0 {
-            return Err(E::BadValue {
-                path: format!("{}.state (parameter {})", node.path(), p.name),
-                message: "has optimizer state but no step (or step 0)".into(),
-            });
+            return Err(bad_value(
+                format!("{}.state (parameter {})", node.path(), p.name),
+                "has optimizer state but no step (or step 0)",
+            ));
         }
     }
     // torch's classes count steps per parameter: a group's count is its parameters' highest.
@@ -949,8 +957,8 @@ fn group_remedy() -> &'static str {
 }
 
 /// The error of a strict load for a value of file group `g` other than the optimizer's.
-fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimizer: String) -> E {
-    E::HyperParameter {
+fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimizer: String) -> AmpError {
+    AmpError::State(StateError::HyperParameter {
         optimizer: index,
         path: g.path(),
         name: key.to_string(),
@@ -959,7 +967,7 @@ fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimi
         remedy: "TorchLoadOptions::strict_hyper_parameters refuses values other than the optimizer's: load without \
                  it to take the file's (as torch's load_state_dict does), or build the optimizer with the file's \
                  values",
-    }
+    })
 }
 
 /// A group's settings as the writer needs them: its learning rate, hyper-parameters and step.
@@ -972,10 +980,11 @@ struct Settings<'a> {
 /// The group dict of `class` with `s`'s values, in the class's key order.
 fn group_dict(class: &Class, s: &Settings<'_>, fused: bool) -> Result<Dict> {
     let hp = |name: &str| -> Result<f64> {
-        s.hyper
-            .get(name)
-            .copied()
-            .ok_or_else(|| E::Options { message: format!("the {} record has no hyper-parameter {name}", class.kind) })
+        s.hyper.get(name).copied().ok_or_else(|| {
+            AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!("the {} record has no hyper-parameter {name}", class.kind),
+            })
+        })
     };
     let mut g = Dict::new();
     g.insert("lr", Value::Float(s.lr));
@@ -1018,14 +1027,16 @@ pub(super) fn record_to_value(
     let layout = optimizer.param_layout();
     let rec_names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
     if rec_names != names {
-        return Err(E::Options {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
             message: format!("optimizer {index}: the record covers {rec_names:?}, the optimizer {names:?}"),
-        });
+        }));
     }
     let class = class_of(&record.kind, index)?;
     let sizes: Vec<usize> = order.iter().map(Vec::len).collect();
     check_order(order, &sizes, optimizer, index).map_err(|e| match e {
-        E::ParamOrder { reason, .. } => E::Options { message: format!("param_order of optimizer {index}: {reason}") },
+        AmpError::State(StateError::ParamOrder { reason, .. }) => AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!("param_order of optimizer {index}: {reason}"),
+        }),
         other => other,
     })?;
     let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
@@ -1044,13 +1055,13 @@ pub(super) fn record_to_value(
             .collect()
     } else {
         if record.groups.len() != own.groups.len() {
-            return Err(E::Options {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
                 message: format!(
                     "optimizer {index}: the record has {} parameter groups, the optimizer {}",
                     record.groups.len(),
                     own.groups.len()
                 ),
-            });
+            }));
         }
         record.groups.iter().map(|g| Settings { lr: g.lr, hyper: &g.hyper_parameters, step: g.step }).collect()
     };
@@ -1069,25 +1080,25 @@ pub(super) fn record_to_value(
                 Some((s, first)) if s != this => {
                     let (a, b) = (&settings[s], &settings[this]);
                     if a.lr.to_bits() != b.lr.to_bits() {
-                        return Err(E::Options {
+                        return Err(AmpError::Config(ConfigError::OptionsMismatch {
                             message: format!(
                                 "param_order of optimizer {index}: group {gi} holds parameters with learning rates \
                                  {:?} ({first}) and {:?} ({name}); torch keeps one per group",
                                 a.lr, b.lr
                             ),
-                        });
+                        }));
                     }
                     let differs =
                         param_order.iter().flat_map(|k| if *k == "betas" { vec!["beta1", "beta2"] } else { vec![*k] });
                     for k in differs {
                         let (x, y) = (a.hyper.get(k), b.hyper.get(k));
                         if x.map(|v| v.to_bits()) != y.map(|v| v.to_bits()) {
-                            return Err(E::Options {
+                            return Err(AmpError::Config(ConfigError::OptionsMismatch {
                                 message: format!(
                                     "param_order of optimizer {index}: group {gi} holds parameters with {k} {x:?} \
                                      ({first}) and {y:?} ({name}); torch keeps one value per group"
                                 ),
-                            });
+                            }));
                         }
                     }
                 }
@@ -1166,14 +1177,14 @@ fn novograd_norms(
         return Ok(None);
     }
     if with.len() != g_names.len() {
-        return Err(E::Options {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
             message: format!(
                 "optimizer {index}: torch group {gi} has FusedNovoGrad norms for {} of its {} parameters; Apex keeps \
                  them for all or none (put parameters stepped at different times into different groups)",
                 with.len(),
                 g_names.len()
             ),
-        });
+        }));
     }
     let mut parts = Vec::with_capacity(2);
     for half in [true, false] {
@@ -1197,7 +1208,7 @@ fn novograd_norms(
 /// param group (see [`super::optimizer_config`]).
 pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)> {
     let groups = node.get("param_groups")?.elements()?;
-    let g = groups.first().ok_or_else(|| E::BadValue { path: node.path(), message: "no param groups".into() })?;
+    let g = groups.first().ok_or_else(|| bad_value(node.path(), "no param groups"))?;
     let torch_2 = |k: &str| g.get_opt(k).map(|n| n.is_some());
     let class: &Class = match FileKind::of(g)? {
         // Apex's FusedSGD writes torch.optim.SGD's keys of before `maximize` (torch 1.11) only.
@@ -1211,12 +1222,11 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
         FileKind::FusedNovoGrad => &FUSED_NOVOGRAD,
         FileKind::FusedAdagrad => &FUSED_ADAGRAD,
         FileKind::AdamFamily => {
-            return Err(E::BadValue {
-                path: g.path(),
-                message: "an Adam-family group without decoupled_weight_decay (written by torch < 2.6): Adam and \
-                          AdamW cannot be told apart; build the optimizer yourself"
-                    .into(),
-            })
+            return Err(bad_value(
+                g.path(),
+                "an Adam-family group without decoupled_weight_decay (written by torch < 2.6): Adam and \
+                          AdamW cannot be told apart; build the optimizer yourself",
+            ))
         }
     };
     let (values, wide) = group_values(g, class)?;

@@ -10,6 +10,9 @@ use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::engine::{check_lr, ParamStateBuffers};
 use crate::optim::record::{GroupRecord, OptimizerRecord, ParamRecord};
 use crate::optim::rule::{HyperParams, StateShape};
+/// What a strict partial load's key mismatch suggests.
+const STRICT_REMEDY: &str = "load with strict = false";
+
 impl AmpOptimizer {
     /// The optimizer's persistent state: the default learning rate, the parameter groups
     /// (learning rate, hyper-parameters, step count, parameters), counters, and per parameter
@@ -266,6 +269,7 @@ impl AmpOptimizer {
                 what: "optimizer state".to_string(),
                 missing_keys: missing,
                 unexpected_keys: unexpected,
+                remedy: STRICT_REMEDY.to_string(),
             }));
         }
         let ours = self.to_record().groups;
@@ -303,6 +307,7 @@ impl AmpOptimizer {
                 what: "optimizer state".to_string(),
                 missing_keys: [missing, missing_groups].concat(),
                 unexpected_keys: [unexpected, unexpected_groups].concat(),
+                remedy: STRICT_REMEDY.to_string(),
             }));
         }
         if strict && rec_names != names.iter().map(|n| n.to_string()).collect::<Vec<_>>() {
