@@ -114,7 +114,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         "name the model's entry with TorchLoadOptions::model_key (TorchLoadOptions::main_amp() reads Apex's \
          imagenet layout, whose model is under \"state_dict\")",
     )?;
-    let staged_model = model::stage(&model_node, vs, options)?;
+    let checked_model = model::check(&model_node, vs, options)?;
     let scaler_key = options.scaler_key(scalers.torch_key());
     let scaler_node = match &scaler_key {
         Some(key) => match root.get_opt(key.as_str())? {
@@ -135,11 +135,11 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         None => None,
     };
     let mut report = TorchLoadReport {
-        stripped_prefix: staged_model.prefix.clone(),
-        missing: staged_model.missing.clone(),
-        unexpected: staged_model.unexpected.clone(),
-        ignored: staged_model.ignored.clone(),
-        converted: staged_model.converted.clone(),
+        stripped_prefix: checked_model.prefix.clone(),
+        missing: checked_model.missing.clone(),
+        unexpected: checked_model.unexpected.clone(),
+        ignored: checked_model.ignored.clone(),
+        converted: checked_model.converted.clone(),
         amp_loaded: scaler_node.is_some(),
         param_orders: Vec::new(),
         ignored_group_keys: Vec::new(),
@@ -147,7 +147,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     };
     let vars = vs.variables();
     let mut model_overrides: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut staged_records = Vec::with_capacity(optimizers.len());
+    let mut checked_records = Vec::with_capacity(optimizers.len());
     for (i, o) in optimizers.iter().enumerate() {
         let node = entry(
             &root,
@@ -161,8 +161,8 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
             o,
             i,
             options.param_orders.get(&i),
-            &staged_model.order,
-            staged_model.prefix.as_deref(),
+            &checked_model.order,
+            checked_model.prefix.as_deref(),
         )?;
         let loaded =
             optim::record_from_node(&node, o, &order, i, options.exact_dtypes, options.strict_hyper_parameters)?;
@@ -173,7 +173,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         let layout = o.param_layout();
         for ((p, lay), cur) in record.params.iter_mut().zip(&layout).zip(current.params) {
             if lay.has_master {
-                p.master = match staged_model.fp32.get(&p.name) {
+                p.master = match checked_model.fp32.get(&p.name) {
                     Some(t) => Some(t.shallow_clone()),
                     None => cur.master,
                 };
@@ -234,7 +234,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                     .f_to_device(var.device())
                     .and_then(|t| t.f_to_kind(kind))
                     .and_then(|t| t.f_detach_copy())
-                    .map_err(|source| AmpError::Torch { context: "staging a master parameter", source })?;
+                    .map_err(|source| AmpError::Torch { context: "checking a master parameter", source })?;
                 if layout[pos].has_master {
                     record.params[pos].master = Some(value);
                 } else {
@@ -242,7 +242,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                 }
             }
         }
-        staged_records.push(o.stage_record(record).map_err(|e| match e {
+        checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => {
                 AmpError::State(StateError::StateMismatch { message: format!("optimizer {i}: {message}") })
             }
@@ -256,13 +256,13 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     // Phase 2: apply (every check passed).
     {
         let _no_grad = tch::no_grad_guard();
-        for (var, value) in staged_model.copies.iter().chain(&model_overrides) {
+        for (var, value) in checked_model.copies.iter().chain(&model_overrides) {
             let mut v = var.shallow_clone();
             v.f_copy_(value).map_err(|source| AmpError::Torch { context: "restoring a model variable", source })?;
         }
     }
-    for (o, r) in optimizers.iter_mut().zip(staged_records) {
-        o.apply_staged(r)?;
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
     }
     if let Some(node) = &scaler_node {
         scalers.apply_scaler_state(node)?;

@@ -1,4 +1,4 @@
-//! The model state dict: `model.state_dict()` by name into the VarStore (checked and staged,
+//! The model state dict: `model.state_dict()` by name into the VarStore (checked and checked,
 //! applied later), and the VarStore out as a state dict in torch's module order.
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,7 +20,7 @@ const AUTO_PREFIXES: [&str; 2] = ["module.", "_orig_mod."];
 const NUM_BATCHES_TRACKED: &str = "num_batches_tracked";
 
 /// A model state dict checked against a VarStore, ready to apply.
-pub(super) struct StagedModel {
+pub(super) struct CheckedModel {
     /// (variable, value in the variable's dtype on its device).
     pub(super) copies: Vec<(Tensor, Tensor)>,
     /// fp32 values of the fp16/bf16 variables, by name: their masters under O2.
@@ -94,14 +94,14 @@ fn same_view(a: &Tensor, b: &Tensor) -> bool {
         && a.device() == b.device()
 }
 
-/// Checks the model state dict at `node` against `vs` and stages every value.
-pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<StagedModel> {
+/// Checks the model state dict at `node` against `vs` and copies every value to the variables' devices.
+pub(super) fn check(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<CheckedModel> {
     let entries = node.entries()?;
     let vars = vs.variables();
     let vs_names: BTreeSet<String> = vars.keys().cloned().collect();
     let keys: Vec<&str> = entries.iter().map(|(k, _)| key_str(node, k)).collect::<Result<_>>()?;
     let prefix = prefix_to_strip(&keys, &vs_names, &options.key_prefix);
-    let mut staged = StagedModel {
+    let mut checked = CheckedModel {
         copies: Vec::new(),
         fp32: BTreeMap::new(),
         order: Vec::new(),
@@ -121,16 +121,16 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
         seen_tensors.push((name, t));
         let Some(var) = vars.get(name) else {
             if let Some(first) = alias_of {
-                staged.ignored.push(format!("{name} (the same tensor as {first})"));
+                checked.ignored.push(format!("{name} (the same tensor as {first})"));
             } else if name.rsplit('.').next() == Some(NUM_BATCHES_TRACKED) {
-                staged.ignored.push(name.to_string());
+                checked.ignored.push(name.to_string());
             } else {
-                staged.unexpected.push(name.to_string());
+                checked.unexpected.push(name.to_string());
             }
             continue;
         };
         if alias_of.is_none() {
-            staged.order.push(name.to_string());
+            checked.order.push(name.to_string());
         }
         if !loaded.insert(name) {
             return Err(bad_value(
@@ -153,18 +153,18 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
         let on_device = t.f_to_device(var.device()).ctx("moving a state dict entry to the VarStore's device")?;
         if is_low_precision(var.kind()) {
             let fp32 = on_device.f_to_kind(Kind::Float).ctx("an fp32 copy for the master")?;
-            staged.fp32.insert(name.to_string(), fp32);
+            checked.fp32.insert(name.to_string(), fp32);
         }
         if t.kind() != var.kind() {
-            staged.converted.push((name.to_string(), t.kind(), var.kind()));
+            checked.converted.push((name.to_string(), t.kind(), var.kind()));
         }
         let value = on_device.f_to_kind(var.kind()).ctx("converting a state dict entry")?;
-        staged.copies.push((var.shallow_clone(), value));
+        checked.copies.push((var.shallow_clone(), value));
     }
-    staged.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
-    if options.strict && !(staged.missing.is_empty() && staged.unexpected.is_empty()) {
+    checked.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
+    if options.strict && !(checked.missing.is_empty() && checked.unexpected.is_empty()) {
         let (missing_keys, unexpected_keys) =
-            (std::mem::take(&mut staged.missing), std::mem::take(&mut staged.unexpected));
+            (std::mem::take(&mut checked.missing), std::mem::take(&mut checked.unexpected));
         let remedy = super::error::mismatch_remedy(&missing_keys, &unexpected_keys);
         return Err(AmpError::State(StateError::IncompatibleKeys {
             what: "the model state dict".to_string(),
@@ -173,7 +173,7 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
             remedy,
         }));
     }
-    Ok(staged)
+    Ok(checked)
 }
 
 /// Whether a tensor of `found` may load into a variable of `var` (see

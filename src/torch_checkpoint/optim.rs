@@ -771,7 +771,7 @@ pub(super) fn record_from_node(
         .map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None })
         .collect();
     let mut converted = Vec::new();
-    let mut stage_tensor = |v: &Node<'_>, pos: usize, want_kind: Kind, want_shape: &[i64]| -> Result<Tensor> {
+    let mut check_tensor = |v: &Node<'_>, pos: usize, want_kind: Kind, want_shape: &[i64]| -> Result<Tensor> {
         let name = names[pos];
         let t = v.as_tensor()?;
         if t.size() != want_shape {
@@ -838,7 +838,7 @@ pub(super) fn record_from_node(
                     format!("{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}", class.name),
                 ));
             };
-            let t = stage_tensor(&v, pos, *want_kind, want_shape)?;
+            let t = check_tensor(&v, pos, *want_kind, want_shape)?;
             params[pos].buffers.insert(buf.clone(), t);
         }
     }
