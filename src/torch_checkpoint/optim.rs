@@ -26,6 +26,7 @@ use crate::error::{AmpError, ConfigError, Result, StateError};
 use super::options::TorchParamOrder;
 use crate::dtype::is_floating;
 use crate::error::TorchContext;
+use crate::optim::amp_optimizer::ParamLayout;
 use crate::optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, NovoGradNorm};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerConfig, OptimizerRecord, ParamRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
@@ -606,129 +607,54 @@ pub(super) fn record_from_node(
     let kind = optimizer.rule_kind().to_string();
     let class = class_of(&kind, index)?;
     let current = optimizer.to_record();
-    let layout = optimizer.param_layout();
-    let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let mut ignored_keys = Vec::new();
-
-    // Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
-    // to the optimizer's groups their parameters are in.
-    let mut given: BTreeMap<usize, Given> = BTreeMap::new();
-    let mut first_lr = None;
-    for (gi, g) in groups.iter().enumerate() {
-        let file_kind = FileKind::of(g)?;
-        if !file_kind.matches(&kind) {
-            return Err(AmpError::State(StateError::OptimizerKind {
-                optimizer: index,
-                path: node.path(),
-                in_file: file_kind.name().into(),
-                in_optimizer: class.name.into(),
-            }));
-        }
-        let lr_node = g.get("lr")?;
-        let lr = number(&lr_node)?;
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(bad_value(lr_node.path(), format!("lr {lr} must be finite and >= 0")));
-        }
-        first_lr.get_or_insert(lr);
-        let step = match (class.group_step, g.get_opt("step")?) {
-            (true, Some(n)) => read_step(&n)?,
-            _ => 0,
-        };
-        let (values, wide) = group_values(g, class)?;
-        let values: Vec<(&'static str, f64, &'static str)> =
-            values.into_iter().map(|v| (v.ours, v.value, v.torch)).collect();
-        for (k, _) in g.entries()? {
-            let key = match k {
-                Key::Str(s) => s.clone(),
-                Key::Int(i) => i.to_string(),
-            };
-            let known = ["lr", "params", "param_names"].contains(&key.as_str())
-                || (class.group_step && key == "step")
-                || (class.kind == FUSED_NOVOGRAD.kind && key == NOVOGRAD_NORMS)
-                || class.keys.iter().any(|(k, _)| *k == key);
-            if !known {
-                ignored_keys.push(format!("{}.{key}", g.path()));
-            }
-        }
-        for name in &order[gi] {
-            let slot = layout[position[name.as_str()]].slot;
-            let own = &current.groups[slot];
-            // Optimizer-wide values the file repeats: Apex reads the optimizer's, so do we.
-            for w in &wide {
-                let ours = own.hyper_parameters.get(w.ours).copied().unwrap_or(f64::NAN);
-                if w.value.to_bits() != ours.to_bits() {
-                    if strict_hyper {
-                        return Err(hyper_error(index, g, w.torch, show(w.ours, w.value), show(w.ours, ours)));
-                    }
-                    let path = format!("{}.{}", g.path(), w.torch);
-                    if !ignored_keys.contains(&path) {
-                        ignored_keys.push(path);
-                    }
-                }
-            }
-            if strict_hyper {
-                for (ours, v, torch) in &values {
-                    let mine = own.hyper_parameters.get(*ours).copied().unwrap_or(f64::NAN);
-                    if v.to_bits() != mine.to_bits() {
-                        let (in_file, in_opt) = if *torch == "betas" {
-                            let b = |f: &dyn Fn(&str) -> f64| format!("({:?}, {:?})", f("beta1"), f("beta2"));
-                            let file = |k: &str| values.iter().find(|x| x.0 == k).map_or(f64::NAN, |x| x.1);
-                            let opt = |k: &str| own.hyper_parameters.get(k).copied().unwrap_or(f64::NAN);
-                            (b(&file), b(&opt))
-                        } else {
-                            (show(ours, *v), show(ours, mine))
-                        };
-                        return Err(hyper_error(index, g, torch, in_file, in_opt));
-                    }
-                }
-            }
-            match given.get(&slot) {
-                None => {
-                    given.insert(slot, Given { path: g.path(), lr, values: values.clone(), step });
-                }
-                Some(other) => {
-                    if other.lr.to_bits() != lr.to_bits() {
-                        return Err(AmpError::State(StateError::HyperParameter {
-                            optimizer: index,
-                            path: g.path(),
-                            name: "lr".into(),
-                            in_file: format!("{lr:?} here and {:?} in {}", other.lr, other.path),
-                            in_optimizer: format!(
-                                "one learning rate for parameter group {} (which holds {name})",
-                                own.id
-                            ),
-                            remedy: group_remedy(),
-                        }));
-                    }
-                    if let Some(((k, v, t), (_, w, _))) =
-                        values.iter().zip(&other.values).find(|((_, v, _), (_, w, _))| v.to_bits() != w.to_bits())
-                    {
-                        return Err(AmpError::State(StateError::HyperParameter {
-                            optimizer: index,
-                            path: g.path(),
-                            name: (*t).into(),
-                            in_file: format!("{} here and {} in {}", show(k, *v), show(k, *w), other.path),
-                            in_optimizer: format!("one value for parameter group {} (which holds {name})", own.id),
-                            remedy: group_remedy(),
-                        }));
-                    }
-                    if other.step != step {
-                        return Err(bad_value(
-                            g.path(),
-                            format!(
-                                "step {step} here and {} in {}, for one parameter group of the optimizer",
-                                other.step, other.path
-                            ),
-                        ));
-                    }
-                }
-            }
-        }
+    let ctx = Reading {
+        node,
+        index,
+        class,
+        position: names.iter().enumerate().map(|(i, n)| (*n, i)).collect(),
+        layout: optimizer.param_layout(),
+        names,
+    };
+    let (given, first_lr, ignored_keys) = ctx.read_groups(&groups, order, &current, strict_hyper)?;
+    let mut group_records = with_given(&current.groups, &given);
+    let id_to_name = ctx.index_names(&ids, order)?;
+    // Per-parameter state, each parameter's as its group's settings keep it.
+    let expected: Vec<Vec<(String, Kind, Vec<i64>)>> = (0..ctx.names.len())
+        .map(|i| optimizer.state_layout(i, &group_records[ctx.layout[i].slot].hyper_parameters.clone().into()))
+        .collect();
+    let mut params: Vec<ParamRecord> = ctx
+        .names
+        .iter()
+        .map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None })
+        .collect();
+    let mut converted = Vec::new();
+    ctx.read_state(&id_to_name, &expected, exact_dtypes, &mut params, &mut converted)?;
+    if class.kind == FUSED_NOVOGRAD.kind {
+        ctx.read_novograd_norms(&groups, order, &expected, &mut params)?;
     }
+    ctx.check_steps(&expected, &mut group_records, &mut params)?;
+    let lr = first_lr.unwrap_or_else(|| optimizer.lr());
+    let steps = if class.group_step {
+        group_records.iter().map(|g| g.step).max().unwrap_or(0)
+    } else {
+        params.iter().map(|p| p.step).max().unwrap_or(0)
+    };
+    let record = OptimizerRecord {
+        kind,
+        hyper_parameters: current.hyper_parameters,
+        lr,
+        group_lr: group_records.iter().filter(|g| g.lr.to_bits() != lr.to_bits()).map(|g| (g.id, g.lr)).collect(),
+        groups: group_records,
+        steps,
+        skipped: 0,
+        params,
+    };
+    Ok(LoadedRecord { record, converted, ignored_keys })
+}
 
-    // The optimizer's groups with the file's values.
-    let mut group_records: Vec<GroupRecord> = current
-        .groups
+/// The optimizer's groups with the file's values where a file group gave them.
+fn with_given(groups: &[GroupRecord], given: &BTreeMap<usize, Given>) -> Vec<GroupRecord> {
+    groups
         .iter()
         .enumerate()
         .map(|(slot, own)| {
@@ -744,35 +670,135 @@ pub(super) fn record_from_node(
             }
             g
         })
-        .collect();
+        .collect()
+}
 
-    // Which torch index is which parameter.
-    let mut id_to_name: HashMap<i64, &str> = HashMap::new();
-    for (gi, (g_ids, g_names)) in ids.iter().zip(order).enumerate() {
-        for (id, name) in g_ids.iter().zip(g_names) {
-            if id_to_name.insert(*id, name.as_str()).is_some() {
-                return Err(bad_value(
-                    format!("{}.param_groups.{gi}.params", node.path()),
-                    format!("parameter index {id} is listed twice"),
-                ));
+/// What the readers of one optimizer state dict share: the dict, the optimizer's position in
+/// the call, its class, and its parameters (names, positions, layout).
+struct Reading<'a, 'n> {
+    node: &'a Node<'n>,
+    index: usize,
+    class: &'static Class,
+    names: Vec<&'a str>,
+    position: HashMap<&'a str, usize>,
+    layout: Vec<ParamLayout>,
+}
+
+/// Whether `buf` is a state FusedNovoGrad keeps in its group rather than per parameter.
+fn in_group(kind: &str, buf: &str) -> bool {
+    kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS
+}
+
+impl<'a, 'n> Reading<'a, 'n> {
+    /// Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
+    /// to the optimizer's groups their parameters are in; the first group's learning rate; the
+    /// group keys left unread.
+    fn read_groups(
+        &self,
+        groups: &[Node<'_>],
+        order: &TorchParamOrder,
+        current: &OptimizerRecord,
+        strict_hyper: bool,
+    ) -> Result<(BTreeMap<usize, Given>, Option<f64>, Vec<String>)> {
+        let (index, class) = (self.index, self.class);
+        let mut given: BTreeMap<usize, Given> = BTreeMap::new();
+        let mut first_lr = None;
+        let mut ignored_keys = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            let file_kind = FileKind::of(g)?;
+            if !file_kind.matches(class.kind) {
+                return Err(AmpError::State(StateError::OptimizerKind {
+                    optimizer: index,
+                    path: self.node.path(),
+                    in_file: file_kind.name().into(),
+                    in_optimizer: class.name.into(),
+                }));
+            }
+            let lr_node = g.get("lr")?;
+            let lr = number(&lr_node)?;
+            if !(lr.is_finite() && lr >= 0.0) {
+                return Err(bad_value(lr_node.path(), format!("lr {lr} must be finite and >= 0")));
+            }
+            first_lr.get_or_insert(lr);
+            let step = match (class.group_step, g.get_opt("step")?) {
+                (true, Some(n)) => read_step(&n)?,
+                _ => 0,
+            };
+            let (values, wide) = group_values(g, class)?;
+            let values: Vec<(&'static str, f64, &'static str)> =
+                values.into_iter().map(|v| (v.ours, v.value, v.torch)).collect();
+            for (k, _) in g.entries()? {
+                let key = match k {
+                    Key::Str(s) => s.clone(),
+                    Key::Int(i) => i.to_string(),
+                };
+                let known = ["lr", "params", "param_names"].contains(&key.as_str())
+                    || (class.group_step && key == "step")
+                    || in_group(class.kind, &key)
+                    || class.keys.iter().any(|(k, _)| *k == key);
+                if !known {
+                    ignored_keys.push(format!("{}.{key}", g.path()));
+                }
+            }
+            for name in &order[gi] {
+                let slot = self.layout[self.position[name.as_str()]].slot;
+                let own = &current.groups[slot];
+                // Optimizer-wide values the file repeats: Apex reads the optimizer's, so do we.
+                for w in &wide {
+                    let ours = own.hyper_parameters.get(w.ours).copied().unwrap_or(f64::NAN);
+                    if w.value.to_bits() != ours.to_bits() {
+                        if strict_hyper {
+                            return Err(hyper_error(index, g, w.torch, show(w.ours, w.value), show(w.ours, ours)));
+                        }
+                        let path = format!("{}.{}", g.path(), w.torch);
+                        if !ignored_keys.contains(&path) {
+                            ignored_keys.push(path);
+                        }
+                    }
+                }
+                if strict_hyper {
+                    check_strict(index, g, &values, own)?;
+                }
+                match given.get(&slot) {
+                    None => {
+                        given.insert(slot, Given { path: g.path(), lr, values: values.clone(), step });
+                    }
+                    Some(other) => check_same_group(index, g, name, own.id, other, lr, &values, step)?,
+                }
             }
         }
+        Ok((given, first_lr, ignored_keys))
     }
 
-    // Per-parameter state, each parameter's as its group's settings keep it.
-    let expected: Vec<Vec<(String, Kind, Vec<i64>)>> = (0..names.len())
-        .map(|i| {
-            let g = &group_records[layout[i].slot];
-            optimizer.state_layout(i, &g.hyper_parameters.clone().into())
-        })
-        .collect();
-    let mut params: Vec<ParamRecord> = names
-        .iter()
-        .map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None })
-        .collect();
-    let mut converted = Vec::new();
-    let mut check_tensor = |v: &Node<'_>, pos: usize, want_kind: Kind, want_shape: &[i64]| -> Result<Tensor> {
-        let name = names[pos];
+    /// Which torch index is which parameter.
+    fn index_names(&self, ids: &[Vec<i64>], order: &TorchParamOrder) -> Result<HashMap<i64, &'a str>> {
+        let mut id_to_name: HashMap<i64, &'a str> = HashMap::new();
+        for (gi, (g_ids, g_names)) in ids.iter().zip(order).enumerate() {
+            for (id, name) in g_ids.iter().zip(g_names) {
+                let name = self.names[self.position[name.as_str()]];
+                if id_to_name.insert(*id, name).is_some() {
+                    return Err(bad_value(
+                        format!("{}.param_groups.{gi}.params", self.node.path()),
+                        format!("parameter index {id} is listed twice"),
+                    ));
+                }
+            }
+        }
+        Ok(id_to_name)
+    }
+
+    /// A state tensor of parameter `pos`, checked (shape, dtype, finite) and copied in the dtype
+    /// the optimizer keeps; conversions are noted in `converted`.
+    fn state_tensor(
+        &self,
+        v: &Node<'_>,
+        pos: usize,
+        want: (Kind, &[i64]),
+        exact_dtypes: bool,
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<Tensor> {
+        let (want_kind, want_shape) = want;
+        let name = self.names[pos];
         let t = v.as_tensor()?;
         if t.size() != want_shape {
             return Err(AmpError::State(StateError::ShapeMismatch {
@@ -797,54 +823,73 @@ pub(super) fn record_from_node(
         if t.kind() != want_kind {
             converted.push((v.path(), t.kind(), want_kind));
         }
-        Ok(t.f_to_kind(want_kind).and_then(|t| t.f_detach_copy()).ctx("copying optimizer state")?)
-    };
-    let state = node.get("state")?;
-    let in_group = |kind: &str, buf: &str| kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS;
-    for (key, st) in state.entries()? {
-        let id = match key {
-            Key::Int(i) => *i,
-            Key::Str(s) => {
-                return Err(bad_value(
-                    state.path(),
-                    format!("has the key {s:?}; torch.optim keys its state by parameter index"),
-                ))
-            }
-        };
-        let name = *id_to_name.get(&id).ok_or_else(|| {
-            bad_value(st.path(), format!("state for parameter index {id}, which no param group lists"))
-        })?;
-        let pos = position[name];
-        for (k, v) in st.entries()? {
-            let k = match k {
-                Key::Str(s) => s.as_str(),
-                Key::Int(i) => return Err(bad_value(st.path(), format!("unexpected int key {i}"))),
-            };
-            if k == "step" {
-                if class.param_step {
-                    params[pos].step = read_step(&v)?;
-                }
-                continue;
-            }
-            if v.is_none() {
-                continue; // SGD without momentum may store momentum_buffer = None
-            }
-            let names_kept: Vec<&str> =
-                expected[pos].iter().map(|(n, ..)| n.as_str()).filter(|n| !in_group(&kind, n)).collect();
-            let Some((buf, want_kind, want_shape)) = expected[pos].iter().find(|(b, ..)| b == k && !in_group(&kind, b))
-            else {
-                return Err(bad_value(
-                    v.path(),
-                    format!("{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}", class.name),
-                ));
-            };
-            let t = check_tensor(&v, pos, *want_kind, want_shape)?;
-            params[pos].buffers.insert(buf.clone(), t);
-        }
+        t.f_to_kind(want_kind).and_then(|t| t.f_detach_copy()).ctx("copying optimizer state")
     }
-    // FusedNovoGrad's norms, kept in the group: one vector for its fp16 parameters, one for its
-    // fp32 ones, each in the group's order.
-    if class.kind == FUSED_NOVOGRAD.kind {
+
+    /// The `state` dict: each parameter's step and buffers, as its group's settings keep them.
+    fn read_state(
+        &self,
+        id_to_name: &HashMap<i64, &'a str>,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        exact_dtypes: bool,
+        params: &mut [ParamRecord],
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<()> {
+        let class = self.class;
+        let state = self.node.get("state")?;
+        for (key, st) in state.entries()? {
+            let id = match key {
+                Key::Int(i) => *i,
+                Key::Str(s) => {
+                    return Err(bad_value(
+                        state.path(),
+                        format!("has the key {s:?}; torch.optim keys its state by parameter index"),
+                    ))
+                }
+            };
+            let name = *id_to_name.get(&id).ok_or_else(|| {
+                bad_value(st.path(), format!("state for parameter index {id}, which no param group lists"))
+            })?;
+            let pos = self.position[name];
+            for (k, v) in st.entries()? {
+                let k = match k {
+                    Key::Str(s) => s.as_str(),
+                    Key::Int(i) => return Err(bad_value(st.path(), format!("unexpected int key {i}"))),
+                };
+                if k == "step" {
+                    if class.param_step {
+                        params[pos].step = read_step(&v)?;
+                    }
+                    continue;
+                }
+                if v.is_none() {
+                    continue; // SGD without momentum may store momentum_buffer = None
+                }
+                let kept = |b: &str| !in_group(class.kind, b);
+                let Some((buf, want_kind, want_shape)) = expected[pos].iter().find(|(b, ..)| b == k && kept(b)) else {
+                    let names_kept: Vec<&str> =
+                        expected[pos].iter().map(|(n, ..)| n.as_str()).filter(|n| kept(n)).collect();
+                    return Err(bad_value(
+                        v.path(),
+                        format!("{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}", class.name),
+                    ));
+                };
+                let t = self.state_tensor(&v, pos, (*want_kind, want_shape), exact_dtypes, converted)?;
+                params[pos].buffers.insert(buf.clone(), t);
+            }
+        }
+        Ok(())
+    }
+
+    /// FusedNovoGrad's norms, kept in the group: one vector for its fp16 parameters, one for its
+    /// fp32 ones, each in the group's order.
+    fn read_novograd_norms(
+        &self,
+        groups: &[Node<'_>],
+        order: &TorchParamOrder,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        params: &mut [ParamRecord],
+    ) -> Result<()> {
         for (gi, g) in groups.iter().enumerate() {
             let Some(norms) = g.get_opt(NOVOGRAD_NORMS)? else { continue };
             let parts = norms.elements()?;
@@ -857,8 +902,8 @@ pub(super) fn record_from_node(
             for (part, half) in parts.iter().zip([true, false]) {
                 let members: Vec<usize> = order[gi]
                     .iter()
-                    .map(|n| position[n.as_str()])
-                    .filter(|&p| (layout[p].kind == Kind::Half) == half)
+                    .map(|n| self.position[n.as_str()])
+                    .filter(|&p| (self.layout[p].kind == Kind::Half) == half)
                     .collect();
                 let t = part.as_tensor()?;
                 if t.size() != [members.len() as i64] {
@@ -884,7 +929,8 @@ pub(super) fn record_from_node(
                     return Err(AmpError::State(StateError::NonFinite { path: part.path() }));
                 }
                 for (j, &pos) in members.iter().enumerate() {
-                    let Some((buf, want_kind, _)) = expected[pos].iter().find(|(b, ..)| in_group(&kind, b)) else {
+                    let Some((buf, want_kind, _)) = expected[pos].iter().find(|(b, ..)| in_group(self.class.kind, b))
+                    else {
                         continue;
                     };
                     if params[pos].buffers.is_empty() {
@@ -899,54 +945,118 @@ pub(super) fn record_from_node(
                 }
             }
         }
-    }
-    for (pos, p) in params.iter_mut().enumerate() {
-        let keeps = expected[pos].len();
-        let slot = layout[pos].slot;
-        if !p.buffers.is_empty() && p.buffers.len() != keeps {
-            let have: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
-            let want: Vec<&str> = expected[pos].iter().map(|(n, ..)| n.as_str()).collect();
-            return Err(bad_value(
-                format!("{}.state (parameter {})", node.path(), p.name),
-                format!("has {have:?}; {} keeps {want:?} together", class.name),
-            ));
-        }
-        if class.group_step && !p.buffers.is_empty() {
-            p.step = group_records[slot].step;
-        }
-        // Classes that count steps (per group or per parameter) must have counted one.
-        let counted = if class.group_step || class.param_step { p.step } else { 1 };
-        if !p.buffers.is_empty() && counted == 0 {
-            return Err(bad_value(
-                format!("{}.state (parameter {})", node.path(), p.name),
-                "has optimizer state but no step (or step 0)",
-            ));
-        }
-    }
-    // torch's classes count steps per parameter: a group's count is its parameters' highest.
-    if !class.group_step {
-        for (slot, g) in group_records.iter_mut().enumerate() {
-            g.step = params.iter().zip(&layout).filter(|(_, l)| l.slot == slot).map(|(p, _)| p.step).max().unwrap_or(0);
-        }
+        Ok(())
     }
 
-    let lr = first_lr.unwrap_or_else(|| optimizer.lr());
-    let steps = if class.group_step {
-        group_records.iter().map(|g| g.step).max().unwrap_or(0)
-    } else {
-        params.iter().map(|p| p.step).max().unwrap_or(0)
-    };
-    let record = OptimizerRecord {
-        kind,
-        hyper_parameters: current.hyper_parameters,
-        lr,
-        group_lr: group_records.iter().filter(|g| g.lr.to_bits() != lr.to_bits()).map(|g| (g.id, g.lr)).collect(),
-        groups: group_records,
-        steps,
-        skipped: 0,
-        params,
-    };
-    Ok(LoadedRecord { record, converted, ignored_keys })
+    /// Every parameter with state has all of it and has counted a step; the step counts of
+    /// groups and parameters as the class keeps them (torch's count per parameter: a group's
+    /// count is its parameters' highest).
+    fn check_steps(
+        &self,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        group_records: &mut [GroupRecord],
+        params: &mut [ParamRecord],
+    ) -> Result<()> {
+        let class = self.class;
+        for (pos, p) in params.iter_mut().enumerate() {
+            let keeps = expected[pos].len();
+            let slot = self.layout[pos].slot;
+            let where_ = || format!("{}.state (parameter {})", self.node.path(), p.name);
+            if !p.buffers.is_empty() && p.buffers.len() != keeps {
+                let have: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
+                let want: Vec<&str> = expected[pos].iter().map(|(n, ..)| n.as_str()).collect();
+                return Err(bad_value(where_(), format!("has {have:?}; {} keeps {want:?} together", class.name)));
+            }
+            if class.group_step && !p.buffers.is_empty() {
+                p.step = group_records[slot].step;
+            }
+            // Classes that count steps (per group or per parameter) must have counted one.
+            let counted = if class.group_step || class.param_step { p.step } else { 1 };
+            if !p.buffers.is_empty() && counted == 0 {
+                return Err(bad_value(where_(), "has optimizer state but no step (or step 0)"));
+            }
+        }
+        if !class.group_step {
+            for (slot, g) in group_records.iter_mut().enumerate() {
+                g.step = params
+                    .iter()
+                    .zip(&self.layout)
+                    .filter(|(_, l)| l.slot == slot)
+                    .map(|(p, _)| p.step)
+                    .max()
+                    .unwrap_or(0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Under `strict_hyper_parameters`: file group `g`'s values equal the optimizer group `own`'s.
+fn check_strict(
+    index: usize,
+    g: &Node<'_>,
+    values: &[(&'static str, f64, &'static str)],
+    own: &GroupRecord,
+) -> Result<()> {
+    for (ours, v, torch) in values {
+        let mine = own.hyper_parameters.get(*ours).copied().unwrap_or(f64::NAN);
+        if v.to_bits() != mine.to_bits() {
+            let (in_file, in_opt) = if *torch == "betas" {
+                let b = |f: &dyn Fn(&str) -> f64| format!("({:?}, {:?})", f("beta1"), f("beta2"));
+                let file = |k: &str| values.iter().find(|x| x.0 == k).map_or(f64::NAN, |x| x.1);
+                let opt = |k: &str| own.hyper_parameters.get(k).copied().unwrap_or(f64::NAN);
+                (b(&file), b(&opt))
+            } else {
+                (show(ours, *v), show(ours, mine))
+            };
+            return Err(hyper_error(index, g, torch, in_file, in_opt));
+        }
+    }
+    Ok(())
+}
+
+/// A second file group `g` giving values to the optimizer's group `group` (through parameter
+/// `name`): they must be the first's (`other`).
+#[allow(clippy::too_many_arguments)]
+fn check_same_group(
+    index: usize,
+    g: &Node<'_>,
+    name: &str,
+    group: usize,
+    other: &Given,
+    lr: f64,
+    values: &[(&'static str, f64, &'static str)],
+    step: u64,
+) -> Result<()> {
+    if other.lr.to_bits() != lr.to_bits() {
+        return Err(AmpError::State(StateError::HyperParameter {
+            optimizer: index,
+            path: g.path(),
+            name: "lr".into(),
+            in_file: format!("{lr:?} here and {:?} in {}", other.lr, other.path),
+            in_optimizer: format!("one learning rate for parameter group {group} (which holds {name})"),
+            remedy: group_remedy(),
+        }));
+    }
+    if let Some(((k, v, t), (_, w, _))) =
+        values.iter().zip(&other.values).find(|((_, v, _), (_, w, _))| v.to_bits() != w.to_bits())
+    {
+        return Err(AmpError::State(StateError::HyperParameter {
+            optimizer: index,
+            path: g.path(),
+            name: (*t).into(),
+            in_file: format!("{} here and {} in {}", show(k, *v), show(k, *w), other.path),
+            in_optimizer: format!("one value for parameter group {group} (which holds {name})"),
+            remedy: group_remedy(),
+        }));
+    }
+    if other.step != step {
+        return Err(bad_value(
+            g.path(),
+            format!("step {step} here and {} in {}, for one parameter group of the optimizer", other.step, other.path),
+        ));
+    }
+    Ok(())
 }
 
 /// What to do about a value that differs between the file and the optimizer (strict) or
