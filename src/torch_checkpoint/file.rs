@@ -10,6 +10,7 @@ use super::{model, optim};
 #[cfg(doc)]
 use crate::amp::Amp;
 use crate::error::{AmpError, ConfigError, Result, StateError};
+use crate::optim::amp_optimizer::ParamLayout;
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord};
 use crate::scaling::CheckpointScalers;
 use crate::torch_io::{self, Dict, Key, LoadOptions, Node, Value};
@@ -82,27 +83,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
-    if !optimizers.is_empty() && optimizers.len() != options.optimizer_keys.len() {
-        return Err(AmpError::Config(ConfigError::OptionsMismatch {
-            message: format!(
-                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
-                 TorchLoadOptions::optimizer_keys",
-                optimizers.len(),
-                options.optimizer_keys.len(),
-                options.optimizer_keys
-            ),
-        }));
-    }
-    for (what, map) in [
-        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
-        ("master_params", options.master_params.keys().collect()),
-    ] {
-        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers.len()) {
-            return Err(AmpError::Config(ConfigError::OptionsMismatch {
-                message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers.len()),
-            }));
-        }
-    }
+    check_call(optimizers.len(), options)?;
     let root = checkpoint.node();
     root.as_dict()?;
 
@@ -189,58 +170,8 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                  file without one",
             )?;
             let flat: Vec<&String> = order.iter().flatten().collect();
-            let items = list.elements()?;
-            if items.len() != flat.len() {
-                return Err(bad_value(
-                    list.path(),
-                    format!(
-                        "{} master parameters, optimizer {i} has {} (the list is amp.master_params(optimizer): \
-                         every parameter of its groups in order)",
-                        items.len(),
-                        flat.len()
-                    ),
-                ));
-            }
-            let position: std::collections::HashMap<&str, usize> =
-                o.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
-            for (item, name) in items.iter().zip(flat) {
-                let pos = position[name.as_str()];
-                let var = &vars[name.as_str()];
-                let t = item.as_tensor()?;
-                if t.size() != var.size() {
-                    return Err(AmpError::State(StateError::ShapeMismatch {
-                        path: item.path(),
-                        target: name.clone(),
-                        expected: var.size(),
-                        found: t.size(),
-                    }));
-                }
-                if !crate::dtype::is_floating(t.kind()) {
-                    return Err(AmpError::State(StateError::DtypeMismatch {
-                        path: item.path(),
-                        target: name.clone(),
-                        expected: "a floating dtype".into(),
-                        found: t.kind(),
-                    }));
-                }
-                if !model::all_finite(t)? {
-                    return Err(AmpError::State(StateError::NonFinite { path: item.path() }));
-                }
-                let kind = if layout[pos].has_master { Kind::Float } else { var.kind() };
-                if t.kind() != kind {
-                    report.converted.push((item.path(), t.kind(), kind));
-                }
-                let value = t
-                    .f_to_device(var.device())
-                    .and_then(|t| t.f_to_kind(kind))
-                    .and_then(|t| t.f_detach_copy())
-                    .map_err(|source| AmpError::Torch { context: "checking a master parameter", source })?;
-                if layout[pos].has_master {
-                    record.params[pos].master = Some(value);
-                } else {
-                    model_overrides.push((var.shallow_clone(), value));
-                }
-            }
+            let read = MasterParams { list: &list, flat: &flat, optimizer: o, index: i, layout: &layout, vars: &vars };
+            read.apply(&mut record, &mut model_overrides, &mut report.converted)?;
         }
         checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => {
@@ -280,6 +211,110 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         report.entries = d;
     }
     Ok(report)
+}
+
+/// The call's options against the call: one optimizer key per optimizer given, and no
+/// per-optimizer option for an optimizer that was not given.
+fn check_call(optimizers: usize, options: &TorchLoadOptions) -> Result<()> {
+    if !optimizers == 0 && optimizers != options.optimizer_keys.len() {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!(
+                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
+                 TorchLoadOptions::optimizer_keys",
+                optimizers,
+                options.optimizer_keys.len(),
+                options.optimizer_keys
+            ),
+        }));
+    }
+    for (what, map) in [
+        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
+        ("master_params", options.master_params.keys().collect()),
+    ] {
+        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers) {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// An Apex-era `'master params'` list (`list(amp.master_params(optimizer))`) for one optimizer.
+struct MasterParams<'a, 'n> {
+    list: &'a Node<'n>,
+    /// The optimizer's parameter names in torch's order (the list's).
+    flat: &'a [&'a String],
+    optimizer: &'a AmpOptimizer,
+    index: usize,
+    layout: &'a [ParamLayout],
+    vars: &'a std::collections::HashMap<String, Tensor>,
+}
+
+impl MasterParams<'_, '_> {
+    /// Checks every value (count, shape, floating, finite) and puts it in the record's masters,
+    /// or, for a parameter without a master (fp32), in `model_overrides`; conversions are noted.
+    fn apply(
+        &self,
+        record: &mut OptimizerRecord,
+        model_overrides: &mut Vec<(Tensor, Tensor)>,
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<()> {
+        let items = self.list.elements()?;
+        if items.len() != self.flat.len() {
+            return Err(bad_value(
+                self.list.path(),
+                format!(
+                    "{} master parameters, optimizer {} has {} (the list is amp.master_params(optimizer): \
+                     every parameter of its groups in order)",
+                    items.len(),
+                    self.index,
+                    self.flat.len()
+                ),
+            ));
+        }
+        let position: std::collections::HashMap<&str, usize> =
+            self.optimizer.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
+        for (item, name) in items.iter().zip(self.flat.iter().copied()) {
+            let pos = position[name.as_str()];
+            let var = &self.vars[name.as_str()];
+            let t = item.as_tensor()?;
+            if t.size() != var.size() {
+                return Err(AmpError::State(StateError::ShapeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                }));
+            }
+            if !crate::dtype::is_floating(t.kind()) {
+                return Err(AmpError::State(StateError::DtypeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: "a floating dtype".into(),
+                    found: t.kind(),
+                }));
+            }
+            if !model::all_finite(t)? {
+                return Err(AmpError::State(StateError::NonFinite { path: item.path() }));
+            }
+            let kind = if self.layout[pos].has_master { Kind::Float } else { var.kind() };
+            if t.kind() != kind {
+                converted.push((item.path(), t.kind(), kind));
+            }
+            let value = t
+                .f_to_device(var.device())
+                .and_then(|t| t.f_to_kind(kind))
+                .and_then(|t| t.f_detach_copy())
+                .map_err(|source| AmpError::Torch { context: "checking a master parameter", source })?;
+            if self.layout[pos].has_master {
+                record.params[pos].master = Some(value);
+            } else {
+                model_overrides.push((var.shallow_clone(), value));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The checkpoint dict [`save_torch_checkpoint`] writes, as a value tree. Its tensors share
