@@ -163,7 +163,9 @@ pub fn load_torch_checkpoint_value(
     if let Some(state) = amp_state {
         amp.apply_checked_state(state);
     }
-    if let Value::Dict(mut d) = checkpoint {
+    let mut checkpoint = checkpoint;
+    if let Value::Dict(d) = &mut checkpoint {
+        let mut d = std::mem::take(d);
         let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
         consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
         if report.amp_loaded {
@@ -334,37 +336,98 @@ fn amp_value(amp: &Amp) -> Value {
     Value::Dict(d)
 }
 
-/// An amp state (numbers, strings, containers) as JSON for [`Amp::load_state_dict`]'s checks.
+/// An amp state (numbers, strings, containers) as JSON for [`Amp::load_state_dict`]'s checks;
+/// dict attributes are left out. A loop over a walk of the tree, which refuses a state nested
+/// more than [`torch_io::MAX_DEPTH`] levels (a file's tree is never deeper).
 fn to_json(node: &Node<'_>) -> Result<serde_json::Value> {
     use serde_json::Value as J;
-    let bad = |message: &str| TorchCheckpointError::BadValue { path: node.path(), message: message.into() };
-    Ok(match node.value() {
-        Value::None => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Int(i) => J::from(*i),
-        Value::Float(f) => {
-            J::Number(serde_json::Number::from_f64(*f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        Value::Str(s) => J::String(s.clone()),
-        Value::Tensor(t) if t.numel() == 1 => {
-            let f = t
-                .f_reshape([])
-                .and_then(|t| t.f_double_value(&[]))
-                .map_err(|source| AmpError::Torch { context: "reading the amp state", source })?;
-            J::Number(serde_json::Number::from_f64(f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        Value::List(_) | Value::Tuple(_) => J::Array(node.elements()?.iter().map(to_json).collect::<Result<_>>()?),
-        Value::Dict(_) => {
-            let mut m = serde_json::Map::new();
-            for (k, v) in node.entries()? {
-                let key = match k {
-                    Key::Str(s) => s.clone(),
-                    Key::Int(i) => return Err(bad(&format!("has the int key {i}; the amp state's keys are names"))),
-                };
-                m.insert(key, to_json(&v)?);
+    use torch_io::{Edge, Step, Walk};
+    let bad = |path: String, message: &str| TorchCheckpointError::BadValue { path, message: message.into() };
+    // The arrays and objects being filled, innermost last, each with the key it goes under.
+    let mut open: Vec<(J, Option<String>)> = Vec::new();
+    // The depth of the attribute being skipped, while one is.
+    let mut skipping: Option<usize> = None;
+    let mut walk = Walk::new(node.value());
+    while let Some(step) = walk.next() {
+        let depth = walk.path().len();
+        if let Some(d) = skipping {
+            if matches!(step, Step::Leave(_)) && depth == d {
+                skipping = None;
             }
-            J::Object(m)
+            continue;
         }
-        other => return Err(bad(&format!("a {} in the amp state", other.type_name()))),
-    })
+        let (json, key) = match step {
+            Step::Enter(v, edge) => {
+                let path = walk.path();
+                let key = match edge {
+                    Some(Edge::Attr(..)) => {
+                        // Skipped up to its own Leave, the next step at this depth.
+                        skipping = Some(depth);
+                        continue;
+                    }
+                    Some(Edge::Key(_, Key::Str(s))) => Some(s.clone()),
+                    Some(Edge::Key(_, Key::Int(i))) => {
+                        return Err(bad(
+                            node.path_below(&path[..depth - 1]),
+                            &format!("has the int key {i}; the amp state's keys are names"),
+                        ))
+                    }
+                    Some(Edge::Index(_)) | None => None,
+                };
+                if depth > torch_io::MAX_DEPTH {
+                    return Err(torch_io::TorchIoError::TooDeep {
+                        what: "nesting depth",
+                        path: node.path_below(path),
+                        limit: torch_io::MAX_DEPTH as u64,
+                    }
+                    .into());
+                }
+                let json = match v {
+                    Value::None => J::Null,
+                    Value::Bool(b) => J::Bool(*b),
+                    Value::Int(i) => J::from(*i),
+                    Value::Float(f) => J::Number(
+                        serde_json::Number::from_f64(*f)
+                            .ok_or_else(|| bad(node.path_below(path), "a loss scaler state must be finite"))?,
+                    ),
+                    Value::Str(s) => J::String(s.clone()),
+                    Value::Tensor(t) if t.numel() == 1 => {
+                        let f = t
+                            .f_reshape([])
+                            .and_then(|t| t.f_double_value(&[]))
+                            .map_err(|source| AmpError::Torch { context: "reading the amp state", source })?;
+                        J::Number(
+                            serde_json::Number::from_f64(f)
+                                .ok_or_else(|| bad(node.path_below(path), "a loss scaler state must be finite"))?,
+                        )
+                    }
+                    Value::List(_) | Value::Tuple(_) => {
+                        open.push((J::Array(Vec::new()), key));
+                        continue;
+                    }
+                    Value::Dict(_) => {
+                        open.push((J::Object(serde_json::Map::new()), key));
+                        continue;
+                    }
+                    other => {
+                        return Err(bad(node.path_below(path), &format!("a {} in the amp state", other.type_name())))
+                    }
+                };
+                (json, key)
+            }
+            Step::Leave(Value::List(_) | Value::Tuple(_) | Value::Dict(_)) => {
+                open.pop().expect("a container left was entered")
+            }
+            Step::Leave(_) => continue,
+        };
+        match open.last_mut() {
+            None => return Ok(json),
+            Some((J::Array(items), _)) => items.push(json),
+            Some((J::Object(m), _)) => {
+                m.insert(key.expect("a dict's entries have keys"), json);
+            }
+            Some(_) => unreachable!("only arrays and objects are open"),
+        }
+    }
+    unreachable!("a walk ends by leaving the root")
 }

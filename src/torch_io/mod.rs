@@ -96,15 +96,18 @@ use std::path::Path;
 use tch::Device;
 
 mod container;
+mod debug;
 mod error;
 mod pickle_read;
 mod pickle_write;
 mod storage;
 mod tree;
 mod value;
+mod walk;
 
 pub use error::{Result, TorchIoError};
 pub use value::{BigInt, Dict, Key, Node, Seg, Value};
+pub(crate) use walk::{Edge, Step, Walk};
 
 use error::io_err;
 
