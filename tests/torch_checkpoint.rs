@@ -677,16 +677,13 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let mut t = tree();
     edit(&mut t, &["optimizer"], |o| {
         let Value::Dict(d) = o else { panic!("optimizer is not a dict") };
-        let Some(Value::List(groups)) = d.remove(&Key::from("param_groups")) else { panic!("no param_groups") };
-        let groups = groups
-            .into_iter()
-            .map(|g| {
-                let Value::Dict(mut g) = g else { panic!("a group is not a dict") };
-                g.insert("lr", Value::Float(1e308));
-                Value::Dict(g)
-            })
-            .collect();
-        d.insert("param_groups", Value::List(groups));
+        let Some(mut groups) = d.remove(&Key::from("param_groups")) else { panic!("no param_groups") };
+        let Value::List(list) = &mut groups else { panic!("param_groups is not a list") };
+        for g in list {
+            let Value::Dict(g) = g else { panic!("a group is not a dict") };
+            g.insert("lr", Value::Float(1e308));
+        }
+        d.insert("param_groups", groups);
     });
     check(
         "lr 1e308",
@@ -726,14 +723,18 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let mut t = tree();
     edit(&mut t, &["optimizer"], |o| {
         let Value::Dict(d) = o else { panic!() };
-        if let Some(Value::List(mut groups)) = d.remove(&Key::from("param_groups")) {
-            if let Value::Dict(g) = &mut groups[1] {
-                if let Some(Value::List(mut ids)) = g.remove(&Key::from("params")) {
-                    ids.pop();
-                    g.insert("params", Value::List(ids));
+        if let Some(mut groups) = d.remove(&Key::from("param_groups")) {
+            if let Value::List(list) = &mut groups {
+                if let Value::Dict(g) = &mut list[1] {
+                    if let Some(mut ids) = g.remove(&Key::from("params")) {
+                        if let Value::List(ids) = &mut ids {
+                            ids.pop();
+                        }
+                        g.insert("params", ids);
+                    }
                 }
             }
-            d.insert("param_groups", Value::List(groups));
+            d.insert("param_groups", groups);
         }
     });
     check("another parameter count", checkpoint_bytes(&t), &|e| {

@@ -198,7 +198,9 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     if let Some(node) = &scaler_node {
         scalers.apply_scaler_state(node)?;
     }
-    if let Value::Dict(mut d) = checkpoint {
+    let mut checkpoint = checkpoint;
+    if let Value::Dict(d) = &mut checkpoint {
+        let mut d = std::mem::take(d);
         let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
         consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
         if report.amp_loaded {
