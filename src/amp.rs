@@ -14,7 +14,7 @@ use crate::config::{AmpConfig, LossScale, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
 use crate::optim::{
-    build_entries, resolve, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
+    build_entries, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
     UpdateRule,
 };
 use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
@@ -353,11 +353,7 @@ impl Amp {
     }
 
     fn layout(&self, vs: &VarStore, groups: &[ParamGroup]) -> Result<Layout> {
-        if groups.is_empty() {
-            Ok(Layout::TchGroups(build_entries(vs, &[], self.plan.masters)?))
-        } else {
-            Ok(Layout::Groups(resolve(vs, groups, &[], self.plan.masters)?))
-        }
+        crate::optim::amp_optimizer::layout(vs, groups, self.plan.masters)
     }
 
     fn optimizer_setup(&self) -> OptimizerSetup {

@@ -26,7 +26,7 @@ pub(crate) struct Group {
 
 /// An optimizer over a list of parameters (fp32 masters under O2), in groups.
 #[derive(Debug)]
-pub(crate) struct Optimizer {
+pub(crate) struct Engine {
     rule: Box<dyn UpdateRule>,
     /// The built-in configuration the rule was made from (`None` for a user's rule).
     config: Option<OptimizerConfig>,
@@ -59,7 +59,7 @@ pub(crate) fn check_lr(lr: f64) -> Result<()> {
     }
 }
 
-impl Optimizer {
+impl Engine {
     /// An optimizer with no parameter and no group yet.
     pub(crate) fn new(
         rule: Box<dyn UpdateRule>,

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use super::optimizer::ScalerOptimizer;
 use crate::config::rules::{backoff_factor as check_backoff, positive_scale as check_scale};
 use crate::error::{mismatch, AmpError, ConfigError, Result, UsageError};
+use crate::optim::Optimizer;
 use crate::optim::StepOutcome;
 use crate::sys;
 use crate::torch_io::{self, Dict, Value};
@@ -128,7 +128,7 @@ fn not_floating(t: &Tensor) -> AmpError {
 }
 
 /// The address of an optimizer: its identity within an iteration (torch's `id(optimizer)`).
-fn optimizer_id<O: ScalerOptimizer + ?Sized>(optimizer: &O) -> usize {
+fn optimizer_id<O: Optimizer + ?Sized>(optimizer: &O) -> usize {
     (optimizer as *const O).cast::<()>() as usize
 }
 
@@ -294,7 +294,7 @@ impl GradScaler {
     /// [`UsageError::CallOrder`] for a second `unscale_` or one after `step` in the iteration, or
     /// before any `scale`; [`UsageError::UnscaleFp16Gradients`] for an fp16 gradient (nothing
     /// unscaled then).
-    pub fn unscale_<O: ScalerOptimizer + ?Sized>(&mut self, optimizer: &O) -> Result<()> {
+    pub fn unscale_<O: Optimizer + ?Sized>(&mut self, optimizer: &O) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
@@ -365,7 +365,7 @@ impl GradScaler {
     /// or when no parameter has a gradient (torch: "No inf checks were recorded for this
     /// optimizer."); the errors of
     /// [`Self::unscale_`], and the optimizer's own.
-    pub fn step<O: ScalerOptimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<StepOutcome> {
+    pub fn step<O: Optimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<StepOutcome> {
         if !self.enabled {
             optimizer.step()?;
             return Ok(StepOutcome::Stepped);

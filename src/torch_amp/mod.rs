@@ -12,8 +12,8 @@
 //! | `scaler.state_dict()` / `torch.save` | [`crate::GradScaler::state_dict`] / [`crate::GradScaler::save`] |
 //! | `Trainer(precision="16-mixed")` | [`Precision::parse`] |
 //!
-//! Any optimizer implementing [`ScalerOptimizer`] works with the scaler: tch's `nn::Optimizer`,
-//! tch-amp's [`crate::AmpOptimizer`] on fp32 parameters (its built-in rules or a user's
+//! Any [`crate::optim::Optimizer`] works with the scaler: tch's `nn::Optimizer`, a plain
+//! [`crate::AmpOptimizer::new`] (torch.optim's and Apex's rules, parameter groups, a user's
 //! [`crate::UpdateRule`]), or a type of your own.
 //!
 //! On CUDA, and on CPUs with fast units for the type, autocast runs libtorch's kernels, bit for
@@ -27,9 +27,7 @@
 mod clip;
 pub(crate) mod grad_scaler;
 mod lightning;
-mod optimizer;
 
 pub use clip::clip_grad_norm_;
 pub use grad_scaler::GradScalerOptions;
 pub use lightning::Precision;
-pub use optimizer::ScalerOptimizer;

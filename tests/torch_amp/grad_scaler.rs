@@ -118,9 +118,13 @@ fn state_dict_round_trips_through_torch_save_files() {
 /// A user's optimizer: plain SGD with lr 1 over its tensors.
 struct Plain(Vec<Tensor>);
 
-impl tch_amp::torch_amp::ScalerOptimizer for Plain {
+impl tch_amp::optim::Optimizer for Plain {
     fn params(&self) -> Vec<Tensor> {
         self.0.iter().map(Tensor::shallow_clone).collect()
+    }
+    fn zero_grad(&mut self) -> tch_amp::Result<()> {
+        self.0.iter().for_each(|p| p.shallow_clone().zero_grad());
+        Ok(())
     }
     fn step(&mut self) -> tch_amp::Result<()> {
         let _g = tch::no_grad_guard();
@@ -255,7 +259,8 @@ fn bad_state_dicts_are_refused_and_change_nothing() {
     }
     s.load_state_dict(&Value::Dict(good_state())).unwrap();
     assert_eq!((s.get_scale(), s.growth_tracker(), s.get_growth_interval()), (8.0, 4, 10));
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     let keys: Vec<String> = d.keys().map(|k| k.to_string()).collect();
     assert_eq!(
         keys,
@@ -279,7 +284,8 @@ fn a_disabled_scaler_passes_everything_through() {
     s.update().unwrap();
     s.update_to(0.0).unwrap();
     assert_eq!(s.get_scale(), 1.0);
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     assert!(d.is_empty());
     s.load_state_dict(&Value::Int(0)).unwrap();
     // A CUDA scaler without CUDA disables itself, as torch's.

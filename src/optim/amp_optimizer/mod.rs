@@ -9,7 +9,7 @@ use crate::error::{ConfigError, UsageError};
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use super::engine::Optimizer;
+use super::engine::Engine;
 use super::grads::{clear_grad, clip_grads, NonFiniteNorm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
@@ -165,7 +165,7 @@ pub(crate) enum Layout {
 #[derive(Debug)]
 pub struct AmpOptimizer {
     setup: OptimizerSetup,
-    inner: Optimizer,
+    inner: Engine,
     entries: Vec<ParamEntry>,
     /// Gradients of self-mastered parameters set aside at `scale_loss` entry (accumulation).
     stash: Vec<Option<Tensor>>,
@@ -178,7 +178,73 @@ pub struct AmpOptimizer {
     door: FrontDoor,
 }
 
+impl OptimizerSetup {
+    /// torch.optim without AMP: no `Amp`, no masters, no casts; gradients from a plain backward.
+    const PLAIN: OptimizerSetup = OptimizerSetup {
+        amp_id: 0,
+        disable_casts_in_step: false,
+        fp32_optimizer_state: false,
+        master_weights: false,
+        pass_through: true,
+    };
+}
+
+/// The parameters of `vs` grouped as `groups` select them (empty: one group per tch group),
+/// with fp32 masters of the low-precision ones when `masters`.
+pub(crate) fn layout(vs: &VarStore, groups: &[ParamGroup], masters: bool) -> Result<Layout> {
+    if groups.is_empty() {
+        Ok(Layout::TchGroups(super::params::build_entries(vs, &[], masters)?))
+    } else {
+        Ok(Layout::Groups(resolve(vs, groups, &[], masters)?))
+    }
+}
+
 impl AmpOptimizer {
+    /// torch.optim's optimizer without AMP (`torch.optim.AdamW(params, lr)`, or Apex's
+    /// `FusedLAMB`): `config` over the trainable variables of `vs` that `groups` select (each
+    /// group with `config`'s hyper-parameters and `lr` unless it sets its own; empty `groups`:
+    /// one group per tch group), stepped in their own dtypes, no masters, no casts, gradients
+    /// from a plain `backward`. What a torch.amp loop steps through [`crate::GradScaler`];
+    /// [`crate::Amp::optimizer`] makes the Apex path's, with masters and `scale_loss`.
+    ///
+    /// ```
+    /// use tch::nn::{self, Module, VarStore};
+    /// use tch::{Device, Kind, Tensor};
+    /// use tch_amp::{AmpOptimizer, FusedLamb, GradScaler, ParamGroup};
+    /// # fn main() -> Result<(), tch_amp::AmpError> {
+    /// let vs = VarStore::new(Device::Cpu);
+    /// let net = nn::linear(vs.root() / "fc", 8, 2, Default::default());
+    /// let groups = [ParamGroup::matching(|n| !n.ends_with("bias")).weight_decay(0.01), ParamGroup::rest()];
+    /// let mut opt = AmpOptimizer::new(&vs, FusedLamb::default(), 1e-3, &groups)?;
+    /// let mut scaler = GradScaler::new(Device::Cpu);
+    /// let x = Tensor::ones([4, 8], (Kind::Float, Device::Cpu));
+    /// let loss = tch_amp::autocast(Device::Cpu, || net.forward(&x))?.to_kind(Kind::Float).square().mean(None);
+    /// opt.zero_grad()?;
+    /// scaler.scale(&loss)?.backward();
+    /// assert!(scaler.step(&mut opt)?.stepped());
+    /// scaler.update()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ConfigError::InvalidOption`] for a bad learning rate or setting;
+    /// [`ConfigError::ParamInTwoGroups`], [`ConfigError::UnknownVariable`],
+    /// [`ConfigError::NoVariablesUnder`] for the selections;
+    /// [`ConfigError::UnknownHyperParameter`] for a group's settings.
+    pub fn new(vs: &VarStore, config: impl Into<OptimizerConfig>, lr: f64, groups: &[ParamGroup]) -> Result<Self> {
+        let config = config.into();
+        Self::build(OptimizerSetup::PLAIN, Box::new(config.rule()), Some(config), lr, layout(vs, groups, false)?)
+    }
+
+    /// [`Self::new`] running a user's [`UpdateRule`].
+    ///
+    /// # Errors
+    /// As [`Self::new`]; the rule's [`UpdateRule::validate`] errors.
+    pub fn with_rule(vs: &VarStore, rule: impl UpdateRule + 'static, lr: f64, groups: &[ParamGroup]) -> Result<Self> {
+        Self::build(OptimizerSetup::PLAIN, Box::new(rule), None, lr, layout(vs, groups, false)?)
+    }
+
     /// An optimizer running `rule` (made from `config` for the built-ins) over `layout`.
     pub(crate) fn build(
         setup: OptimizerSetup,
@@ -187,7 +253,7 @@ impl AmpOptimizer {
         lr: f64,
         layout: Layout,
     ) -> Result<Self> {
-        let mut inner = Optimizer::new(rule, config, lr, setup.fp32_optimizer_state)?;
+        let mut inner = Engine::new(rule, config, lr, setup.fp32_optimizer_state)?;
         let defaults = inner.defaults().clone();
         let mut entries = Vec::new();
         match layout {
