@@ -93,6 +93,9 @@ fn main() {
         .include("src/shim/gloo_stub")
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
+        // libtorch's release build: some classes (RecordFunction) have debug-only fields, so the
+        // shim must see the layout libtorch was built with.
+        .define("NDEBUG", None)
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .flag_if_supported("-Wno-c++20-extensions")

@@ -8,12 +8,13 @@ use super::advice::{self, Context, Path};
 use super::record::{first_non_finite, Recorder, Stage};
 use super::report::{DoctorReport, Losses};
 use crate::cast::disable::{disable_casts, without_casts};
-use crate::config::{scale_constants as consts, LossScale};
 use crate::dtype::{dtype_name, is_floating, is_low_precision, DtypeRange};
 use crate::error::{check_loss_value, AmpError, ConfigError, Result, TorchContext};
 use crate::model::wrapper::set_kind;
 use crate::model::{AmpInputs, AmpModel};
 use crate::sys::observer::{self, Observer};
+use crate::scaling::LossScaler;
+use crate::torch_amp::GradScalerOptions;
 use crate::{Amp, AmpConfig, Autocast};
 
 /// The set-up a [`Doctor`] diagnoses.
@@ -213,16 +214,12 @@ impl Doctor {
                         expected: "an enabled O1, O2 or O3 set-up (O0 is the fp32 run the doctor compares with)",
                     })
                 })?;
-                let (scale, dynamic) = match props.loss_scale() {
-                    LossScale::Dynamic => (
-                        props.init_loss_scale().unwrap_or(consts::INITIAL_DYNAMIC_SCALE.min(props.max_loss_scale())),
-                        true,
-                    ),
-                    LossScale::Static(s) => (s, false),
-                };
-                let floor = dynamic.then(|| props.min_loss_scale().unwrap_or(consts::DEFAULT_MIN_LOSS_SCALE));
+                // The scaler `initialize` would make: its initial scale, floor and cap.
+                let scaler = LossScaler::new(&props);
+                let dynamic = scaler.is_dynamic();
+                let floor = dynamic.then(|| scaler.min_loss_scale());
                 let label = format!("{} {}", props.opt_level(), dtype_name(low));
-                (label, Path::Apex(props.opt_level()), low, scale, dynamic, floor, props.max_loss_scale())
+                (label, Path::Apex(props.opt_level()), low, scaler.loss_scale(), dynamic, floor, scaler.max_loss_scale())
             }
             Target::Autocast(a) => {
                 let same_type = matches!(
@@ -238,8 +235,11 @@ impl Doctor {
                 }
                 let low = a.resolved_dtype()?;
                 let fp16 = low == Kind::Half;
-                let scale = if fp16 { consts::INITIAL_DYNAMIC_SCALE } else { 1.0 };
-                (format!("autocast {}", dtype_name(low)), Path::Autocast, low, scale, fp16, None, consts::DEFAULT_MAX_LOSS_SCALE)
+                // A GradScaler's default initial scale for fp16; bf16 needs none.
+                let scale = if fp16 { GradScalerOptions::default().init_scale } else { 1.0 };
+                // No cap but fp32's: the scale multiplies the loss in fp32.
+                let cap = LossScaler::SCALE_RANGE.1;
+                (format!("autocast {}", dtype_name(low)), Path::Autocast, low, scale, fp16, None, cap)
             }
         };
         let range = DtypeRange::of(low).ok_or_else(|| {

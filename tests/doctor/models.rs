@@ -19,6 +19,7 @@ pub fn set(vs: &VarStore, name: &str, values: &Tensor) {
 /// fc1 (8→16) → relu → `big` (16→16) → relu → head (16→4). `big`'s weights are
 /// `big_gain` times larger than the others, so its activations reach `big_gain` times the
 /// input scale.
+#[derive(Debug)]
 pub struct ThreeLayers {
     pub fc1: nn::Linear,
     pub big: nn::Linear,
