@@ -200,11 +200,13 @@ impl Recorder {
 
     /// Records the input cast of O2/O3's model wrapper in the target run, against the fp32 input.
     pub(crate) fn record_input_cast(&self, cast: &Tensor, input: &Tensor) {
-        let mut s = self.lock();
-        if !matches!(s.stage, Stage::Target { .. }) {
+        if !matches!(self.lock().stage, Stage::Target { .. }) {
             return;
         }
-        match measure(cast, Some(input), 1.0, None) {
+        // Measured without the lock: the handler takes it for every op it sees.
+        let measured = measure(cast, Some(input), 1.0, None);
+        let mut s = self.lock();
+        match measured {
             Ok(acc) => s.ops.push(OpRecord {
                 name: INPUT_CAST.to_string(),
                 module: INPUT_MODULE.to_string(),

@@ -90,10 +90,9 @@ impl Pass<'_> {
     /// A floating input cast as the target's model wrapper casts it (fp16 under O2/O3;
     /// unchanged otherwise). Integer and bool tensors pass through.
     pub fn cast_input(&self, xs: &Tensor) -> Tensor {
-        let cast = {
-            let _p = Paused::new();
-            self.wrapper.cast_input(xs)
-        };
+        // The doctor's own ops are not observed.
+        let _p = Paused::new();
+        let cast = self.wrapper.cast_input(xs);
         if cast.kind() != xs.kind() {
             self.recorder.record_input_cast(&cast, xs);
         }

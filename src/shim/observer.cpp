@@ -155,12 +155,14 @@ void on_backward_node(const at::RecordFunction& fn) {
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   const int depth = tls_depth++;
-  if (depth != 0) return nullptr;
   try {
+    // A node runs inside the engine's own record of it ("autograd::engine::evaluate_function:
+    // ..."), so nodes are looked at whatever the depth; the ops they call are not.
     if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
       on_backward_node(fn);
       return nullptr;
     }
+    if (depth != 0) return nullptr;
     // Ops the autograd engine runs between nodes (gradient accumulation) are not the user's.
     if (tls_paused || torch::autograd::get_current_graph_task_id() != -1) return nullptr;
     Session* s = session_of(at::RecordFunction::currentThreadId());

@@ -54,3 +54,39 @@ impl Module for ThreeLayers {
 pub fn batch(scale: f64) -> (Tensor, Tensor) {
     (wave(&[32, 8], 1.0, scale), wave(&[32, 4], 2.0, 1.0))
 }
+
+/// fc1 (8→16) → relu → `cancel` (16→4), whose output is a sum of large terms that cancel:
+/// fc1's rows come in equal pairs (so its outputs do), and `cancel`'s weights are
+/// `+1000 + d` and `-1000 + d'` on each pair, with |d|, |d'| <= 0.01 and no bias. In fp32 the
+/// output is the small sum of `(d + d') h`; in fp16 or bf16, `±1000 + d` rounds to `±1000`
+/// (fp16's spacing at 1000 is 0.5, bf16's 4), the pairs cancel exactly and the output is 0:
+/// a relative error of 1 with every value in range.
+#[derive(Debug)]
+pub struct Cancelling {
+    pub fc1: nn::Linear,
+    pub cancel: nn::Linear,
+}
+
+impl Cancelling {
+    pub fn new(vs: &VarStore) -> Self {
+        let root = vs.root();
+        let net = Self {
+            fc1: nn::linear(&root / "fc1", 8, 16, Default::default()),
+            cancel: nn::linear(&root / "cancel", 16, 4, nn::LinearConfig { bias: false, ..Default::default() }),
+        };
+        // Rows 2k and 2k+1 of fc1 equal.
+        let half = wave(&[8, 8], 0.1, 0.3);
+        set(vs, "fc1.weight", &Tensor::stack(&[&half, &half], 1).reshape([16, 8]));
+        let hb = wave(&[8], 0.2, 0.1).abs() + 0.05;
+        set(vs, "fc1.bias", &Tensor::stack(&[&hb, &hb], 1).reshape([16]));
+        let sign = Tensor::from_slice(&[1f32, -1.0]).repeat([4, 8]);
+        set(vs, "cancel.weight", &(sign * 1000.0 + wave(&[4, 16], 0.5, 0.01)));
+        net
+    }
+}
+
+impl Module for Cancelling {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.cancel.forward(&self.fc1.forward(xs).relu())
+    }
+}
