@@ -130,7 +130,7 @@ fn plot(path: &Path, reports: &[DoctorReport]) -> Result<()> {
     let (top, bottom) = root.split_vertically(600);
     let colors = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
     let mut chart = ChartBuilder::on(&top)
-        .caption("log2 |x| (forward, bars) and |g| at the loss scale (thin): fp16 limits dashed", ("sans-serif", 18))
+        .caption("log2 |x| (forward, bars) and |g| at the loss scale (thin): fp16 max, min normal and min subnormal as lines", ("sans-serif", 18))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(50)
