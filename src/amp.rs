@@ -352,6 +352,45 @@ impl Amp {
         AmpOptimizer::build(self.optimizer_setup(), Box::new(rule), None, lr, layout)
     }
 
+    /// Apex's `DistributedFusedAdam` / `DistributedFusedLAMB` (with [`crate::FusedAdam`] /
+    /// [`crate::FusedLamb`]), or torch's `ZeroRedundancyOptimizer` under Apex's amp: the
+    /// optimizer of [`Self::optimizer_groups`] sharded over the ranks of `pg` (ZeRO stage 1, see
+    /// [`AmpOptimizer::sharded`] for the partition and the collectives). Under master weights each
+    /// rank makes the fp32 masters of its shard only: with Adam at O2 a rank holds `12 / world
+    /// size` bytes of masters and state per parameter on average (the partition's balance
+    /// decides), where every rank of an unsharded run holds 12.
+    ///
+    /// `scale_loss` works as for an unsharded optimizer: the gradients of other ranks'
+    /// parameters (averaged by DDP) are released at its exit, each rank checks its shard's
+    /// gradients, and the ranks agree on the inf/NaN verdict (one collective) before the scale
+    /// changes, so every rank skips or steps together and the loss scalers stay equal.
+    ///
+    /// # Errors
+    /// As [`Self::optimizer_groups`].
+    pub fn sharded_optimizer(
+        &self,
+        pg: &crate::distributed::ProcessGroup,
+        vs: &VarStore,
+        config: impl Into<OptimizerConfig>,
+        lr: f64,
+        groups: &[ParamGroup],
+    ) -> Result<AmpOptimizer> {
+        let config = config.into();
+        // The masters of the rank's shard are made when the partition is known.
+        let layout = crate::optim::amp_optimizer::layout(vs, groups, false)?;
+        let comm: Box<dyn crate::optim::Collectives> = Box::new(pg.clone());
+        let opt = AmpOptimizer::build_sharded(
+            self.optimizer_setup(),
+            Box::new(config.rule()),
+            Some(config),
+            lr,
+            layout,
+            Some(comm),
+        )?;
+        self.warn_fp16_adam(&opt, config);
+        Ok(opt)
+    }
+
     fn layout(&self, vs: &VarStore, groups: &[ParamGroup]) -> Result<Layout> {
         crate::optim::amp_optimizer::layout(vs, groups, self.plan.masters)
     }
@@ -541,6 +580,10 @@ impl Amp {
         if !dynamic {
             return Ok(false);
         }
+        // A sharded optimizer checked its shard only: the ranks agree before anyone steps.
+        for o in optimizers.iter() {
+            o.agree_found_inf(&found_inf)?;
+        }
         crate::counters::note_host_read();
         Ok(found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
@@ -554,7 +597,7 @@ impl Amp {
         let all_zero_at_floor = !overflow && scaler.is_dynamic() && scaler.at_floor() && {
             let mut verdict = None;
             for o in optimizers.iter() {
-                match (o.grads_all_zero()?, verdict) {
+                match (o.grads_all_zero_agreed()?, verdict) {
                     (Some(false), _) => {
                         verdict = Some(false);
                         break;

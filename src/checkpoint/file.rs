@@ -279,9 +279,15 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
 /// `scalers`: an [`Amp`] (its opt level and scalers are recorded), a [`crate::GradScaler`] or a
 /// slice of them (torch.amp's path: no `Amp` needed), or `&()` for none.
 ///
+/// A sharded optimizer's whole state must have been gathered on this rank first
+/// ([`AmpOptimizer::consolidate_state_dict`]); [`crate::distributed::save_checkpoint_on_rank0`]
+/// does both.
+///
 /// # Errors
 /// [`AmpError::Io`](crate::AmpError::Io) when the file cannot be written (any previous file at `path` is left
-/// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
+/// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read;
+/// [`UsageError::NotConsolidated`](crate::error::UsageError::NotConsolidated) for a sharded
+/// optimizer whose state is not gathered here.
 pub fn save_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
@@ -304,9 +310,19 @@ pub fn save_checkpoint_with<S: CheckpointScalers + ?Sized>(
     scalers: &S,
     extra: &TrainingState,
 ) -> Result<()> {
-    let path = path.as_ref();
-    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
-    let (mut tensors, optimizers) = collect(vs, &records)?;
+    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.consolidated_record()).collect::<Result<_>>()?;
+    save_records(path.as_ref(), vs, &records, scalers, extra)
+}
+
+/// [`save_checkpoint_with`] of optimizer records (each optimizer's whole record).
+pub(crate) fn save_records<S: CheckpointScalers + ?Sized>(
+    path: &Path,
+    vs: &VarStore,
+    records: &[OptimizerRecord],
+    scalers: &S,
+    extra: &TrainingState,
+) -> Result<()> {
+    let (mut tensors, optimizers) = collect(vs, records)?;
     for (name, t) in &extra.tensors {
         tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
     }

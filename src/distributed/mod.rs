@@ -52,6 +52,7 @@ mod error;
 mod process_group;
 mod sampler;
 mod sync_bn;
+mod zero;
 use crate::sys::distributed as sys;
 
 pub use checkpoint::{load_checkpoint_on_all, save_checkpoint_on_rank0};

@@ -291,7 +291,12 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
 /// optimizer, no entry named like the model, optimizer, scaler or master-parameter entry, a
 /// `param_order` that covers the optimizer's parameters once and keeps each group to one set of
 /// values, `tied` names of a variable and of no variable); [`TorchCheckpointError::NoTorchForm`]
-/// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read.
+/// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read;
+/// [`UsageError::NotConsolidated`](crate::error::UsageError::NotConsolidated) for a sharded
+/// optimizer whose state was not gathered on this rank
+/// ([`AmpOptimizer::consolidate_state_dict`], as torch's `consolidate_state_dict(to=0)` before
+/// `torch.save` on rank 0: the file is then the one torch's `ZeroRedundancyOptimizer` writes
+/// and loads, a plain torch.optim state dict).
 pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
@@ -329,7 +334,8 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     if let Some(dup) = keys.iter().find(|k| !seen.insert(**k)) {
         return Err(options_err(format!("the key {dup:?} is used twice in the checkpoint dict")));
     }
-    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
+    let records: Vec<OptimizerRecord> =
+        optimizers.iter().map(|o| o.consolidated_record()).collect::<std::result::Result<_, AmpError>>()?;
     let mut root = Dict::new();
     for (k, v) in &options.entries {
         root.insert(k.as_str(), v.shallow_clone());
