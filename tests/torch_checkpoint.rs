@@ -25,9 +25,7 @@ use tch_amp::error::StateError;
 use common::reference::{bits_equal, describe_diff, Fixture};
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::torch_checkpoint::{
-    self, load_torch_checkpoint_value, KeyPrefix, TorchCheckpointError, TorchLoadOptions, TorchSaveOptions,
-};
+use tch_amp::torch_checkpoint::{self, load_torch_checkpoint_value, KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use tch_amp::torch_io::{self, Dict, Key, Seg, TorchIoError, Value};
 use tch_amp::{
     load_torch_checkpoint, save_torch_checkpoint, Amp, AmpConfig, AmpError, AmpModel, AmpOptimizer, OptLevel,
@@ -363,7 +361,11 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
     let before = snapshot(&s);
     let opts = TorchLoadOptions::main_amp().key_prefix(KeyPrefix::Keep);
     match load_torch_checkpoint(&path, &s.vs, &mut [&mut s.opt], &mut s.amp, &opts) {
-        Err(TorchCheckpointError::KeysMismatch { missing, unexpected }) => {
+        Err(AmpError::State(StateError::IncompatibleKeys {
+            missing_keys: missing,
+            unexpected_keys: unexpected,
+            ..
+        })) => {
             // The 8 variables (6 parameters, 2 running statistics) and the file's 8 prefixed keys
             // (its num_batches_tracked is ignored, not unexpected).
             assert_eq!((missing.len(), unexpected.len()), (8, 8), "{missing:?} {unexpected:?}");
@@ -385,7 +387,7 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
         load_torch_checkpoint(&half, &s.vs, &mut [&mut s.opt], &mut s.amp, &TorchLoadOptions::new().exact_dtypes(true))
             .unwrap_err();
     assert!(
-        matches!(&err, TorchCheckpointError::DtypeMismatch { found: Kind::Half, target, .. } if target == "fc1.weight"),
+        matches!(&err, AmpError::State(StateError::DtypeMismatch { found: Kind::Half, target, .. }) if target == "fc1.weight"),
         "{err}"
     );
     assert!(same_snapshot(&before, &snapshot(&s)));
@@ -430,7 +432,7 @@ fn main_amp_layout_ddp_prefix_half_state_dicts_and_param_order() {
         &TorchLoadOptions::new(),
     )
     .unwrap_err();
-    assert!(matches!(err, TorchCheckpointError::ParamOrder { .. }), "{err}");
+    assert!(matches!(err, AmpError::State(StateError::ParamOrder { .. })), "{err}");
     println!("{err}");
     assert!(same_snapshot(&before, &snapshot(&s)));
 
@@ -562,7 +564,7 @@ fn saved_layouts_main_amp_prefix_counters_and_option_errors() {
                 .to_vec()],
         )),
     ] {
-        assert!(matches!(e, TorchCheckpointError::Options { .. }), "{e}");
+        assert!(matches!(e, AmpError::Config(tch_amp::error::ConfigError::OptionsMismatch { .. })), "{e}");
     }
 }
 
@@ -593,7 +595,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let before = snapshot(&s);
     let dir = tempfile::tempdir().unwrap();
     let mut case = 0;
-    let mut check = |what: &str, bytes: Vec<u8>, ok: &dyn Fn(&TorchCheckpointError) -> bool| {
+    let mut check = |what: &str, bytes: Vec<u8>, ok: &dyn Fn(&AmpError) -> bool| {
         case += 1;
         let p = dir.path().join(format!("case{case}.pt"));
         std::fs::write(&p, bytes).unwrap();
@@ -603,17 +605,17 @@ fn bad_files_give_typed_errors_and_change_nothing() {
         assert!(ok(&err), "{what}: unexpected error {err:?}");
         assert!(same_snapshot(&before, &snapshot(&s)), "{what}: the failed load changed something");
     };
-    let file = |e: &TorchCheckpointError| matches!(e, TorchCheckpointError::File(_));
+    let file = |e: &AmpError| matches!(e, AmpError::File(_));
     check("truncated zip", good[..good.len() / 2].to_vec(), &file);
     check("truncated legacy", legacy[..legacy.len() - 100].to_vec(), &file);
     let mut wrong_magic = legacy.clone();
     wrong_magic[5] ^= 0x40; // inside the magic number's LONG1 bytes
-    check("wrong magic", wrong_magic, &|e| matches!(e, TorchCheckpointError::File(TorchIoError::BadMagic { .. })));
+    check("wrong magic", wrong_magic, &|e| matches!(e, AmpError::File(TorchIoError::BadMagic { .. })));
     check("not a torch file", b"PK\x03\x04 nothing".to_vec(), &file);
     check(
         "a disallowed global (argparse.Namespace)",
         std::fs::read(f.path("with_args.pt")).unwrap(),
-        &|e| matches!(e, TorchCheckpointError::File(TorchIoError::DisallowedGlobal { module, name, .. }) if module == "argparse" && name == "Namespace"),
+        &|e| matches!(e, AmpError::File(TorchIoError::DisallowedGlobal { module, name, .. }) if module == "argparse" && name == "Namespace"),
     );
     for key in ["optimizer", "amp", "model"] {
         let mut t = tree();
@@ -623,7 +625,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
         check(
             &format!("missing {key}"),
             checkpoint_bytes(&t),
-            &|e| matches!(e, TorchCheckpointError::MissingEntry { key: k, .. } if k == key),
+            &|e| matches!(e, AmpError::State(StateError::MissingEntry { key: k, .. }) if k == key),
         );
     }
     let mut t = tree();
@@ -635,25 +637,25 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "a missing model key",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::KeysMismatch { missing, unexpected } if missing == &["fc2.bias"] && unexpected.is_empty()),
+        &|e| matches!(e, AmpError::State(StateError::IncompatibleKeys { missing_keys: missing, unexpected_keys: unexpected, .. }) if missing == &["fc2.bias"] && unexpected.is_empty()),
     );
     let mut t = tree();
     edit(&mut t, &["model", "fc1.weight"], |v| *v = Value::Tensor(Tensor::zeros([32, 15], (Kind::Float, Device::Cpu))));
     check(
         "a shape mismatch",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::ShapeMismatch { found, .. } if found == &[32, 15]),
+        &|e| matches!(e, AmpError::State(StateError::ShapeMismatch { found, .. }) if found == &[32, 15]),
     );
     let mut t = tree();
     edit(&mut t, &["model", "bn1.running_var"], |v| *v = Value::Tensor(Tensor::ones([32], (Kind::Int64, Device::Cpu))));
     check("a dtype mismatch", checkpoint_bytes(&t), &|e| {
-        matches!(e, TorchCheckpointError::DtypeMismatch { found: Kind::Int64, .. })
+        matches!(e, AmpError::State(StateError::DtypeMismatch { found: Kind::Int64, .. }))
     });
     let mut t = tree();
     edit(&mut t, &["model", "fc2.bias"], |v| {
         *v = Value::Tensor(Tensor::full([10], f64::NAN, (Kind::Float, Device::Cpu)))
     });
-    check("a NaN weight", checkpoint_bytes(&t), &|e| matches!(e, TorchCheckpointError::NonFinite { .. }));
+    check("a NaN weight", checkpoint_bytes(&t), &|e| matches!(e, AmpError::State(StateError::NonFinite { .. })));
     let mut t = tree();
     edit(&mut t, &["optimizer", "state"], |st| {
         if let Value::Dict(d) = st {
@@ -669,27 +671,24 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "an inf momentum",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::NonFinite { path } if path == "optimizer.state.0.momentum_buffer"),
+        &|e| matches!(e, AmpError::State(StateError::NonFinite { path }) if path == "optimizer.state.0.momentum_buffer"),
     );
     // A learning rate finite in f64, inf in fp32: nothing applied, the parameter named.
     let mut t = tree();
     edit(&mut t, &["optimizer"], |o| {
         let Value::Dict(d) = o else { panic!("optimizer is not a dict") };
-        let Some(Value::List(groups)) = d.remove(&Key::from("param_groups")) else { panic!("no param_groups") };
-        let groups = groups
-            .into_iter()
-            .map(|g| {
-                let Value::Dict(mut g) = g else { panic!("a group is not a dict") };
-                g.insert("lr", Value::Float(1e308));
-                Value::Dict(g)
-            })
-            .collect();
-        d.insert("param_groups", Value::List(groups));
+        let Some(mut groups) = d.remove(&Key::from("param_groups")) else { panic!("no param_groups") };
+        let Value::List(list) = &mut groups else { panic!("param_groups is not a list") };
+        for g in list {
+            let Value::Dict(g) = g else { panic!("a group is not a dict") };
+            g.insert("lr", Value::Float(1e308));
+        }
+        d.insert("param_groups", groups);
     });
     check(
         "lr 1e308",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::Amp(AmpError::State(StateError::PoisonedState { param, .. })) if param.ends_with("lr")),
+        &|e| matches!(e, AmpError::State(StateError::PoisonedState { param, .. }) if param.ends_with("lr")),
     );
     // A file whose rebuild calls nest 100,000 deep: a typed error, not a stack overflow.
     let mut p = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\nq\x000ctorch\nTensor\nq\x010)q\x020".to_vec();
@@ -702,7 +701,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     zip.start_file("archive/data.pkl", stored).unwrap();
     std::io::Write::write_all(&mut zip, &p).unwrap();
     check("nested rebuild calls", zip.finish().unwrap().into_inner(), &|e| {
-        matches!(e, TorchCheckpointError::File(TorchIoError::TooDeep { limit: 256, .. }))
+        matches!(e, AmpError::File(TorchIoError::TooDeep { limit: 256, .. }))
     });
     let mut t = tree();
     edit(&mut t, &["optimizer", "state"], |st| {
@@ -718,40 +717,44 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     check(
         "a state of the wrong shape",
         checkpoint_bytes(&t),
-        &|e| matches!(e, TorchCheckpointError::ShapeMismatch { target, .. } if target == "fc1.bias"),
+        &|e| matches!(e, AmpError::State(StateError::ShapeMismatch { target, .. }) if target == "fc1.bias"),
     );
     // An optimizer state for another parameter count: the last parameter of group 1 dropped.
     let mut t = tree();
     edit(&mut t, &["optimizer"], |o| {
         let Value::Dict(d) = o else { panic!() };
-        if let Some(Value::List(mut groups)) = d.remove(&Key::from("param_groups")) {
-            if let Value::Dict(g) = &mut groups[1] {
-                if let Some(Value::List(mut ids)) = g.remove(&Key::from("params")) {
-                    ids.pop();
-                    g.insert("params", Value::List(ids));
+        if let Some(mut groups) = d.remove(&Key::from("param_groups")) {
+            if let Value::List(list) = &mut groups {
+                if let Value::Dict(g) = &mut list[1] {
+                    if let Some(mut ids) = g.remove(&Key::from("params")) {
+                        if let Value::List(ids) = &mut ids {
+                            ids.pop();
+                        }
+                        g.insert("params", ids);
+                    }
                 }
             }
-            d.insert("param_groups", Value::List(groups));
+            d.insert("param_groups", groups);
         }
     });
     check("another parameter count", checkpoint_bytes(&t), &|e| {
-        matches!(e, TorchCheckpointError::ParamCount { in_file: 5, in_optimizer: 6, .. })
+        matches!(e, AmpError::State(StateError::ParamCount { in_file: 5, in_optimizer: 6, .. }))
     });
     // An Adam checkpoint into this SGD optimizer.
     check(
         "another optimizer class",
         std::fs::read(f.path("adam_o2.zip.pt")).unwrap(),
-        &|e| matches!(e, TorchCheckpointError::OptimizerKind { in_file, .. } if in_file == "Adam"),
+        &|e| matches!(e, AmpError::State(StateError::OptimizerKind { in_file, .. }) if in_file == "Adam"),
     );
     let mut t = tree();
     edit(&mut t, &["amp", "loss_scaler0", "loss_scale"], |v| *v = Value::Float(-1.0));
     check("a negative loss scale", checkpoint_bytes(&t), &|e| {
-        matches!(e, TorchCheckpointError::Amp(AmpError::State(StateError::StateMismatch { .. })))
+        matches!(e, AmpError::State(StateError::StateMismatch { .. }))
     });
     let mut t = tree();
     edit(&mut t, &["model"], |m| *m = Value::List(vec![]));
     check("a model that is no dict", checkpoint_bytes(&t), &|e| {
-        matches!(e, TorchCheckpointError::File(TorchIoError::TypeMismatch { .. }))
+        matches!(e, AmpError::File(TorchIoError::TypeMismatch { .. }))
     });
     // Another momentum: taken by default (as torch's load_state_dict takes it), refused with
     // strict_hyper_parameters.
@@ -767,7 +770,7 @@ fn bad_files_give_typed_errors_and_change_nothing() {
     let strict = TorchLoadOptions::new().strict_hyper_parameters(true);
     let e = load_torch_checkpoint(&p, &s.vs, &mut [&mut s.opt], &mut s.amp, &strict).unwrap_err();
     println!("another momentum: {e}");
-    assert!(matches!(&e, TorchCheckpointError::HyperParameter { name, .. } if name == "momentum"), "{e:?}");
+    assert!(matches!(&e, AmpError::State(StateError::HyperParameter { name, .. }) if name == "momentum"), "{e:?}");
     assert!(same_snapshot(&before, &snapshot(&s)), "another momentum: the failed load changed something");
 }
 
@@ -1333,7 +1336,7 @@ fn apex_optimizers_round_trip_through_torch_files() {
             let before = snapshot(&b);
             let e = load_torch_checkpoint_value(bad, &b.vs, &mut [&mut b.opt], &mut b.amp, &load).unwrap_err();
             assert!(
-                matches!(&e, TorchCheckpointError::ShapeMismatch { path, .. } if path.starts_with("[\"master params\"]")),
+                matches!(&e, AmpError::State(StateError::ShapeMismatch { path, .. }) if path.starts_with("[\"master params\"]")),
                 "{what}: {e}"
             );
             assert!(same_snapshot(&before, &snapshot(&b)), "{what}");
@@ -1360,5 +1363,8 @@ fn apex_optimizers_round_trip_through_torch_files() {
     let opt = s.amp.optimizer_with_rule(&s.vs, Plain, 0.1, &[]).unwrap();
     let e = torch_checkpoint::torch_checkpoint_value(&s.vs, &[&opt], &s.amp, &TorchSaveOptions::new()).unwrap_err();
     println!("{e}");
-    assert!(matches!(&e, TorchCheckpointError::NoTorchForm { optimizer: 0, kind } if kind == "plain_sgd"), "{e}");
+    assert!(
+        matches!(&e, AmpError::Config(tch_amp::error::ConfigError::NoTorchForm { optimizer: 0, kind }) if kind == "plain_sgd"),
+        "{e}"
+    );
 }

@@ -173,8 +173,9 @@ fn st_dtype(kind: Kind) -> Result<Dtype> {
         Kind::Bool => Dtype::BOOL,
         other => {
             return Err(AmpError::State(StateError::DtypeMismatch {
-                name: "a checkpointed tensor".into(),
-                expected: "a dtype safetensors stores",
+                path: "a checkpointed tensor".into(),
+                target: "a safetensors file".into(),
+                expected: "a dtype safetensors stores".into(),
                 found: other,
             }))
         }
@@ -372,7 +373,7 @@ fn all_finite(name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Reads the optimizer `i`'s record from the file (masters from the staged model values).
+/// Reads the optimizer `i`'s record from the file (masters from the checked model values).
 fn read_record(
     st: &SafeTensors<'_>,
     i: usize,
@@ -462,7 +463,7 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
     let path = path.as_ref();
     let (bytes, meta) = open(path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
-    // Phase 1: check and stage everything.
+    // Phase 1: check everything, then apply.
     let mut consumed: BTreeSet<String> = BTreeSet::new();
     let scaler_state = match (scalers.as_amp(), meta.opt_level, &meta.amp) {
         (Some(amp), Some(saved), Some(state)) => {
@@ -474,7 +475,7 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
                 )));
             }
             let amp_json = serde_json::to_value(state).map_err(|e| mismatch(format!("amp state: {e}")))?;
-            ScalerStaged::Amp(amp.check_state_dict(&amp_json)?)
+            ScalerChecked::Amp(amp.check_state_dict(&amp_json)?)
         }
         (Some(amp), None, _) => {
             return Err(mismatch(format!(
@@ -497,14 +498,14 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
                 let value = crate::torch_io::load_bytes(view.data(), &crate::torch_io::LoadOptions::new())
                     .map_err(|e| mismatch(format!("the scaler state: {e}")))?;
                 scalers.check_scaler_state(&value.node())?;
-                ScalerStaged::Value(value)
+                ScalerChecked::Value(value)
             }
             Err(_) if scalers.torch_key().is_some() => {
                 return Err(mismatch(
                     "the checkpoint holds no GradScaler state (it was saved without one): pass () for no scaler",
                 ))
             }
-            Err(_) => ScalerStaged::None,
+            Err(_) => ScalerChecked::None,
         },
         (Some(_), Some(_), None) => return Err(mismatch("the checkpoint records an opt level but no amp state")),
     };
@@ -523,24 +524,24 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
     let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut checked: BTreeMap<String, Tensor> = BTreeMap::new();
     for name in names {
         let var = &vars[name];
         let key = format!("model/{name}");
         let v = st.tensor(&key).map_err(|_| mismatch(format!("variable {name} is missing from the checkpoint")))?;
-        let t = stage_variable(name, var, &v)?;
+        let t = check_variable(name, var, &v)?;
         consumed.insert(key);
-        staged.insert(name.clone(), t.shallow_clone());
+        checked.insert(name.clone(), t.shallow_clone());
         model_vals.push((var.shallow_clone(), t));
     }
-    let mut staged_records = Vec::with_capacity(optimizers.len());
+    let mut checked_records = Vec::with_capacity(optimizers.len());
     for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
         let with_master = o.master_flags();
         if m.params.len() != with_master.len() {
             return Err(mismatch(format!("optimizer {i} covers other parameters than the checkpoint's")));
         }
-        let record = read_record(&st, i, m, &staged, &with_master, &mut consumed)?;
-        staged_records.push(o.stage_record(record).map_err(|e| match e {
+        let record = read_record(&st, i, m, &checked, &with_master, &mut consumed)?;
+        checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
             other => other,
         })?);
@@ -558,23 +559,23 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
         let mut v = var;
         v.f_copy_(&t).ctx("restoring a model variable")?;
     }
-    for (o, r) in optimizers.iter_mut().zip(staged_records) {
-        o.apply_staged(r)?;
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
     }
     match scaler_state {
-        ScalerStaged::Amp(state) => {
+        ScalerChecked::Amp(state) => {
             if let Some(amp) = scalers.as_amp_mut() {
                 amp.apply_checked_state(state);
             }
         }
-        ScalerStaged::Value(v) => scalers.apply_scaler_state(&v.node())?,
-        ScalerStaged::None => {}
+        ScalerChecked::Value(v) => scalers.apply_scaler_state(&v.node())?,
+        ScalerChecked::None => {}
     }
     Ok(())
 }
 
 /// The scalers' state of a checkpoint, checked, ready to apply.
-enum ScalerStaged {
+enum ScalerChecked {
     /// An `Amp`'s (the metadata's `amp`).
     Amp(crate::scaling::ParsedState),
     /// torch.amp's (the `scaler` tensor's).
@@ -655,7 +656,7 @@ fn check_format(path: &Path, meta: &Metadata) -> Result<()> {
 
 /// The checkpoint's value of variable `name`, checked against `var` (shape; dtype: fp32 for
 /// floating variables but fp64, the variable's own otherwise; finite) and moved to its device.
-fn stage_variable(name: &str, var: &Tensor, view: &TensorView<'_>) -> Result<Tensor> {
+fn check_variable(name: &str, var: &Tensor, view: &TensorView<'_>) -> Result<Tensor> {
     let key = format!("model/{name}");
     let t = view_to_tensor(&key, view)?;
     if t.size() != var.size() {
@@ -723,11 +724,11 @@ pub fn load_model_weights(
         st.names().into_iter().filter_map(|n| n.strip_prefix("model/").map(str::to_string)).collect();
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
-    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut checked: BTreeMap<String, Tensor> = BTreeMap::new();
     for name in names {
         match st.tensor(&format!("model/{name}")) {
             Ok(view) => {
-                staged.insert(name.clone(), stage_variable(name, &vars[name], &view)?);
+                checked.insert(name.clone(), check_variable(name, &vars[name], &view)?);
             }
             Err(_) => report.missing_keys.push(name.clone()),
         }
@@ -738,15 +739,16 @@ pub fn load_model_weights(
             what: "model weights".to_string(),
             missing_keys: report.missing_keys,
             unexpected_keys: report.unexpected_keys,
+            remedy: "load with strict = false".to_string(),
         }));
     }
     let _no_grad = tch::no_grad_guard();
-    for (name, t) in &staged {
+    for (name, t) in &checked {
         let mut v = vars[name].shallow_clone();
         v.f_copy_(t).ctx("restoring a model variable")?;
     }
     for o in optimizers.iter_mut() {
-        o.set_masters(&staged)?;
+        o.set_masters(&checked)?;
     }
     Ok(report)
 }
@@ -785,25 +787,26 @@ pub fn load_optimizer_state(
             optimizers.len()
         )));
     }
-    let mut staged = Vec::with_capacity(optimizers.len());
+    let mut checked = Vec::with_capacity(optimizers.len());
     let mut consumed = BTreeSet::new();
     for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
         let no_masters = vec![false; m.params.len()];
         let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
-        staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
+        checked.push(o.check_state_only(record, strict).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
-            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, .. }) => {
+            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, remedy, .. }) => {
                 AmpError::State(StateError::IncompatibleKeys {
                     what: format!("optimizer {i} state"),
                     missing_keys,
                     unexpected_keys,
+                    remedy,
                 })
             }
             other => other,
         })?);
     }
-    let mut reports = Vec::with_capacity(staged.len());
-    for (o, s) in optimizers.iter_mut().zip(staged) {
+    let mut reports = Vec::with_capacity(checked.len());
+    for (o, s) in optimizers.iter_mut().zip(checked) {
         let (missing_keys, unexpected_keys) = o.apply_state_only(s)?;
         reports.push(LoadReport { missing_keys, unexpected_keys });
     }

@@ -138,6 +138,27 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+    /// An optimizer whose update rule has no torch.optim or `apex.optimizers` form (a user's
+    /// [`crate::UpdateRule`]): a torch checkpoint cannot hold its state. tch-amp's own
+    /// checkpoints ([`crate::save_checkpoint`]) hold any rule's.
+    #[error(
+        "optimizer {optimizer} runs the update rule {kind:?}, which has no torch.optim or apex.optimizers form: save \
+         it with tch_amp::save_checkpoint"
+    )]
+    NoTorchForm {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Its rule's kind ([`crate::UpdateRule::kind`]).
+        kind: String,
+    },
+    /// Checkpoint options that do not fit the call: another number of optimizers than optimizer
+    /// keys, an extra entry named like the model, optimizer or amp entry, a `param_order` for an
+    /// optimizer that was not given.
+    #[error("{message}")]
+    OptionsMismatch {
+        /// What is wrong and what to do.
+        message: String,
+    },
 }
 
 /// A call out of order, or with arguments that cannot work ([`AmpError::Usage`]): fix the
@@ -345,20 +366,23 @@ pub enum StateError {
         /// What differs.
         message: String,
     },
-    /// A strict partial load ([`crate::checkpoint::load_model_weights`],
-    /// [`crate::checkpoint::load_optimizer_state`]) found keys on one side only (torch's
-    /// `load_state_dict(strict=True)` error). Load with `strict = false` to load what matches
-    /// and get these as a [`crate::checkpoint::LoadReport`].
-    #[error(
-        "strict load of {what}: missing {missing_keys:?}, unexpected {unexpected_keys:?}; load with strict = false"
-    )]
+    /// A strict load found keys on one side only (torch's `load_state_dict(strict=True)` error):
+    /// a partial load ([`crate::checkpoint::load_model_weights`],
+    /// [`crate::checkpoint::load_optimizer_state`]; `strict = false` loads what matches and
+    /// reports these as a [`crate::checkpoint::LoadReport`]), or a torch checkpoint's model state
+    /// dict against the `VarStore` (`TorchLoadOptions::strict(false)` loads the names both have;
+    /// when the two sides differ by a prefix on every key, `remedy` names the
+    /// [`KeyPrefix`](crate::torch_checkpoint::KeyPrefix) that fixes it).
+    #[error("strict load of {what}: missing {missing_keys:?}, unexpected {unexpected_keys:?}; {remedy}")]
     IncompatibleKeys {
-        /// What was being loaded: `"model weights"` or `"optimizer <i> state"`.
+        /// What was being loaded: `"model weights"`, `"optimizer <i> state"`, `"the model state dict"`.
         what: String,
         /// Keys this side has that the checkpoint lacks.
         missing_keys: Vec<String>,
         /// Keys of the checkpoint this side does not have.
         unexpected_keys: Vec<String>,
+        /// What to do.
+        remedy: String,
     },
     /// Optimizer state that would poison the next step: a negative second moment (its square
     /// root is NaN), or a hyper-parameter finite in f64 that becomes inf or 0 in fp32, where
@@ -373,15 +397,110 @@ pub enum StateError {
         /// What is wrong.
         message: String,
     },
-    /// A tensor of the checkpoint with another dtype than the variable it is loaded into.
-    #[error("{name} has dtype {found:?}, expected {expected}; nothing was loaded")]
+    /// A tensor whose dtype cannot go where it should: a checkpoint tensor of another dtype than
+    /// the variable it is loaded into, an integer tensor for a floating variable or the other way
+    /// round, or any difference under
+    /// [`TorchLoadOptions::exact_dtypes`](crate::torch_checkpoint::TorchLoadOptions::exact_dtypes).
+    #[error(
+        "{path} has dtype {found:?}, which cannot be loaded into {target}: expected {expected}; nothing was loaded"
+    )]
     DtypeMismatch {
-        /// The variable.
-        name: String,
-        /// What was expected, in words.
-        expected: &'static str,
-        /// What was found.
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// What is accepted, in words.
+        expected: String,
+        /// The file's dtype.
         found: Kind,
+    },
+    /// A tensor of another shape than the variable or parameter it goes to.
+    #[error("{path} has shape {found:?}, but {target} has shape {expected:?}")]
+    ShapeMismatch {
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// Its shape.
+        expected: Vec<i64>,
+        /// The file's shape.
+        found: Vec<i64>,
+    },
+    /// A weight, buffer or optimizer state holding inf or NaN.
+    #[error("{path} holds inf or NaN: the run that wrote it had already diverged; resume from an earlier checkpoint")]
+    NonFinite {
+        /// Where in the file.
+        path: String,
+    },
+    /// An optimizer state dict over another number of parameters than the optimizer holds.
+    #[error(
+        "{path}: the file's param_groups list {in_file} parameters, optimizer {optimizer} holds {in_optimizer}: the \
+         checkpoint was written for another model or another parameter selection"
+    )]
+    ParamCount {
+        /// Which optimizer (position in the slice given).
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// Parameters in the file.
+        in_file: usize,
+        /// Parameters of the optimizer.
+        in_optimizer: usize,
+    },
+    /// A state dict of another optimizer class.
+    #[error("{path} holds the state of a {in_file} optimizer, but optimizer {optimizer} is {in_optimizer}")]
+    OptimizerKind {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// The class the file's hyper-parameters describe.
+        in_file: String,
+        /// The optimizer's kind.
+        in_optimizer: String,
+    },
+    /// A hyper-parameter of a param group that differs from the optimizer's group's own under
+    /// [`crate::torch_checkpoint::TorchLoadOptions::strict_hyper_parameters`] (by default the file's values are
+    /// taken, as torch's `load_state_dict` takes them), or two values (learning rates,
+    /// hyper-parameters) that two of the file's groups give one parameter group of the optimizer.
+    #[error("{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: {remedy}")]
+    HyperParameter {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The param group's path in the file.
+        path: String,
+        /// torch's name of the hyper-parameter.
+        name: String,
+        /// The file's value.
+        in_file: String,
+        /// The optimizer's value.
+        in_optimizer: String,
+        /// What to do.
+        remedy: &'static str,
+    },
+    /// torch's parameter order (the `params` lists of `param_groups`) cannot be mapped onto
+    /// the optimizer's parameters without guessing.
+    #[error(
+        "optimizer {optimizer}: cannot tell which parameter each index of the file's param_groups is: {reason}; \
+         give the order with TorchLoadOptions::param_order"
+    )]
+    ParamOrder {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The checkpoint dict lacks an entry the options say to read (the model's, an
+    /// optimizer's, the loss scalers', the master parameters'). The message names the option
+    /// that names the entry, or leaves it out.
+    #[error("the checkpoint has no {key:?} entry ({holds}): {remedy}")]
+    MissingEntry {
+        /// The key looked for.
+        key: String,
+        /// What it would hold.
+        holds: &'static str,
+        /// The option to use.
+        remedy: &'static str,
     },
 }
 

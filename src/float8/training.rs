@@ -284,7 +284,7 @@ impl Float8Training {
         let entries = node.entries().map_err(|e| mismatch(e.to_string()))?;
         let recipe = self.resolved.delayed;
         let expected: Vec<&String> = if recipe.is_some() { layers.keys().collect() } else { Vec::new() };
-        let mut staged = Vec::new();
+        let mut checked = Vec::new();
         for (key, n) in entries {
             let crate::torch_io::Key::Str(name) = key else {
                 return Err(mismatch(format!("float8 state: key {key} is not a layer name")));
@@ -292,14 +292,14 @@ impl Float8Training {
             let (Some(layer), Some(recipe)) = (layers.get(name), recipe.as_ref()) else {
                 return Err(mismatch(format!("float8 state: {name:?} is not a layer under delayed scaling")));
             };
-            staged.push((Arc::clone(layer), DelayedLayer::from_node(n, recipe, layer_device(layer)?)?));
+            checked.push((Arc::clone(layer), DelayedLayer::from_node(n, recipe, layer_device(layer)?)?));
         }
-        if staged.len() != expected.len() {
+        if checked.len() != expected.len() {
             let missing: Vec<&&String> =
-                expected.iter().filter(|n| !staged.iter().any(|(l, _)| &l.name == **n)).collect();
+                expected.iter().filter(|n| !checked.iter().any(|(l, _)| &l.name == **n)).collect();
             return Err(mismatch(format!("float8 state: no state for the layers {missing:?}")));
         }
-        for (layer, state) in staged {
+        for (layer, state) in checked {
             if let Some(d) = &layer.delayed {
                 *lock(d) = state;
             }

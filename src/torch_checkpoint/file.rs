@@ -1,16 +1,16 @@
 //! Loading and saving `torch.save` checkpoints (see the module above).
-use crate::error::StateError;
 use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::error::{Result, TorchCheckpointError};
+use super::error::bad_value;
 use super::optim::default_param_order;
 use super::options::{TorchLoadOptions, TorchParamOrder, TorchSaveOptions};
 use super::{model, optim};
 #[cfg(doc)]
 use crate::amp::Amp;
-use crate::error::AmpError;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+use crate::optim::amp_optimizer::ParamLayout;
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord};
 use crate::scaling::CheckpointScalers;
 use crate::torch_io::{self, Dict, Key, LoadOptions, Node, Value};
@@ -48,10 +48,10 @@ pub struct TorchLoadReport {
 /// the VarStore's device.
 ///
 /// # Errors
-/// [`TorchCheckpointError::File`] when the file cannot be read (truncated, wrong magic, a pickle
+/// [`AmpError::File`] when the file cannot be read (truncated, wrong magic, a pickle
 /// naming a global outside torch's weights-only set, ...) or an entry is of the wrong type (the
-/// message names its path); [`TorchCheckpointError::MissingEntry`] for an entry the options
-/// name that the file lacks; [`TorchCheckpointError`] when it does not fit (keys, shapes, dtypes,
+/// message names its path); [`StateError::MissingEntry`](crate::error::StateError::MissingEntry) for an entry the options
+/// name that the file lacks; [`StateError`] when it does not fit (keys, shapes, dtypes,
 /// optimizer class, hyper-parameters, parameter count or order, non-finite values);
 /// [`StateError::StateMismatch`] for a scaler state the scalers refuse. Nothing is changed on
 /// error.
@@ -67,9 +67,9 @@ pub fn load_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     load_torch_checkpoint_value(value, vs, optimizers, scalers, options)
 }
 
-/// The entry `key` of the checkpoint dict, or [`TorchCheckpointError::MissingEntry`].
+/// The entry `key` of the checkpoint dict, or [`StateError::MissingEntry`](crate::error::StateError::MissingEntry).
 fn entry<'a>(root: &Node<'a>, key: &str, holds: &'static str, remedy: &'static str) -> Result<Node<'a>> {
-    root.get_opt(key)?.ok_or_else(|| TorchCheckpointError::MissingEntry { key: key.to_string(), holds, remedy })
+    root.get_opt(key)?.ok_or_else(|| AmpError::State(StateError::MissingEntry { key: key.to_string(), holds, remedy }))
 }
 
 /// [`load_torch_checkpoint`] on a checkpoint already read with [`torch_io::load`].
@@ -83,27 +83,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
-    if !optimizers.is_empty() && optimizers.len() != options.optimizer_keys.len() {
-        return Err(TorchCheckpointError::Options {
-            message: format!(
-                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
-                 TorchLoadOptions::optimizer_keys",
-                optimizers.len(),
-                options.optimizer_keys.len(),
-                options.optimizer_keys
-            ),
-        });
-    }
-    for (what, map) in [
-        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
-        ("master_params", options.master_params.keys().collect()),
-    ] {
-        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers.len()) {
-            return Err(TorchCheckpointError::Options {
-                message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers.len()),
-            });
-        }
-    }
+    check_call(optimizers.len(), options)?;
     let root = checkpoint.node();
     root.as_dict()?;
 
@@ -115,7 +95,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         "name the model's entry with TorchLoadOptions::model_key (TorchLoadOptions::main_amp() reads Apex's \
          imagenet layout, whose model is under \"state_dict\")",
     )?;
-    let staged_model = model::stage(&model_node, vs, options)?;
+    let checked_model = model::check(&model_node, vs, options)?;
     let scaler_key = options.scaler_key(scalers.torch_key());
     let scaler_node = match &scaler_key {
         Some(key) => match root.get_opt(key.as_str())? {
@@ -124,23 +104,23 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                 Some(node)
             }
             None if options.amp_required => {
-                return Err(TorchCheckpointError::MissingEntry {
+                return Err(AmpError::State(StateError::MissingEntry {
                     key: key.clone(),
                     holds: "the loss scalers' state",
                     remedy: "name its entry with TorchLoadOptions::amp_key(Some(key), true), or load without it \
                              (the scalers keep their state) with TorchLoadOptions::amp_key(None, false)",
-                })
+                }))
             }
             None => None,
         },
         None => None,
     };
     let mut report = TorchLoadReport {
-        stripped_prefix: staged_model.prefix.clone(),
-        missing: staged_model.missing.clone(),
-        unexpected: staged_model.unexpected.clone(),
-        ignored: staged_model.ignored.clone(),
-        converted: staged_model.converted.clone(),
+        stripped_prefix: checked_model.prefix.clone(),
+        missing: checked_model.missing.clone(),
+        unexpected: checked_model.unexpected.clone(),
+        ignored: checked_model.ignored.clone(),
+        converted: checked_model.converted.clone(),
         amp_loaded: scaler_node.is_some(),
         param_orders: Vec::new(),
         ignored_group_keys: Vec::new(),
@@ -148,7 +128,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     };
     let vars = vs.variables();
     let mut model_overrides: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut staged_records = Vec::with_capacity(optimizers.len());
+    let mut checked_records = Vec::with_capacity(optimizers.len());
     for (i, o) in optimizers.iter().enumerate() {
         let node = entry(
             &root,
@@ -162,8 +142,8 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
             o,
             i,
             options.param_orders.get(&i),
-            &staged_model.order,
-            staged_model.prefix.as_deref(),
+            &checked_model.order,
+            checked_model.prefix.as_deref(),
         )?;
         let loaded =
             optim::record_from_node(&node, o, &order, i, options.exact_dtypes, options.strict_hyper_parameters)?;
@@ -174,7 +154,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         let layout = o.param_layout();
         for ((p, lay), cur) in record.params.iter_mut().zip(&layout).zip(current.params) {
             if lay.has_master {
-                p.master = match staged_model.fp32.get(&p.name) {
+                p.master = match checked_model.fp32.get(&p.name) {
                     Some(t) => Some(t.shallow_clone()),
                     None => cur.master,
                 };
@@ -190,60 +170,10 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
                  file without one",
             )?;
             let flat: Vec<&String> = order.iter().flatten().collect();
-            let items = list.elements()?;
-            if items.len() != flat.len() {
-                return Err(TorchCheckpointError::BadValue {
-                    path: list.path(),
-                    message: format!(
-                        "{} master parameters, optimizer {i} has {} (the list is amp.master_params(optimizer): \
-                         every parameter of its groups in order)",
-                        items.len(),
-                        flat.len()
-                    ),
-                });
-            }
-            let position: std::collections::HashMap<&str, usize> =
-                o.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
-            for (item, name) in items.iter().zip(flat) {
-                let pos = position[name.as_str()];
-                let var = &vars[name.as_str()];
-                let t = item.as_tensor()?;
-                if t.size() != var.size() {
-                    return Err(TorchCheckpointError::ShapeMismatch {
-                        path: item.path(),
-                        target: name.clone(),
-                        expected: var.size(),
-                        found: t.size(),
-                    });
-                }
-                if !crate::dtype::is_floating(t.kind()) {
-                    return Err(TorchCheckpointError::DtypeMismatch {
-                        path: item.path(),
-                        target: name.clone(),
-                        expected: "a floating dtype".into(),
-                        found: t.kind(),
-                    });
-                }
-                if !model::all_finite(t)? {
-                    return Err(TorchCheckpointError::NonFinite { path: item.path() });
-                }
-                let kind = if layout[pos].has_master { Kind::Float } else { var.kind() };
-                if t.kind() != kind {
-                    report.converted.push((item.path(), t.kind(), kind));
-                }
-                let value = t
-                    .f_to_device(var.device())
-                    .and_then(|t| t.f_to_kind(kind))
-                    .and_then(|t| t.f_detach_copy())
-                    .map_err(|source| AmpError::Torch { context: "staging a master parameter", source })?;
-                if layout[pos].has_master {
-                    record.params[pos].master = Some(value);
-                } else {
-                    model_overrides.push((var.shallow_clone(), value));
-                }
-            }
+            let read = MasterParams { list: &list, flat: &flat, optimizer: o, index: i, layout: &layout, vars: &vars };
+            read.apply(&mut record, &mut model_overrides, &mut report.converted)?;
         }
-        staged_records.push(o.stage_record(record).map_err(|e| match e {
+        checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => {
                 AmpError::State(StateError::StateMismatch { message: format!("optimizer {i}: {message}") })
             }
@@ -257,18 +187,20 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     // Phase 2: apply (every check passed).
     {
         let _no_grad = tch::no_grad_guard();
-        for (var, value) in staged_model.copies.iter().chain(&model_overrides) {
+        for (var, value) in checked_model.copies.iter().chain(&model_overrides) {
             let mut v = var.shallow_clone();
             v.f_copy_(value).map_err(|source| AmpError::Torch { context: "restoring a model variable", source })?;
         }
     }
-    for (o, r) in optimizers.iter_mut().zip(staged_records) {
-        o.apply_staged(r)?;
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
     }
     if let Some(node) = &scaler_node {
         scalers.apply_scaler_state(node)?;
     }
-    if let Value::Dict(mut d) = checkpoint {
+    let mut checkpoint = checkpoint;
+    if let Value::Dict(d) = &mut checkpoint {
+        let mut d = std::mem::take(d);
         let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
         consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
         if report.amp_loaded {
@@ -283,15 +215,120 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     Ok(report)
 }
 
+/// The call's options against the call: one optimizer key per optimizer given, and no
+/// per-optimizer option for an optimizer that was not given.
+fn check_call(optimizers: usize, options: &TorchLoadOptions) -> Result<()> {
+    if !optimizers == 0 && optimizers != options.optimizer_keys.len() {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!(
+                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
+                 TorchLoadOptions::optimizer_keys",
+                optimizers,
+                options.optimizer_keys.len(),
+                options.optimizer_keys
+            ),
+        }));
+    }
+    for (what, map) in [
+        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
+        ("master_params", options.master_params.keys().collect()),
+    ] {
+        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers) {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// An Apex-era `'master params'` list (`list(amp.master_params(optimizer))`) for one optimizer.
+struct MasterParams<'a, 'n> {
+    list: &'a Node<'n>,
+    /// The optimizer's parameter names in torch's order (the list's).
+    flat: &'a [&'a String],
+    optimizer: &'a AmpOptimizer,
+    index: usize,
+    layout: &'a [ParamLayout],
+    vars: &'a std::collections::HashMap<String, Tensor>,
+}
+
+impl MasterParams<'_, '_> {
+    /// Checks every value (count, shape, floating, finite) and puts it in the record's masters,
+    /// or, for a parameter without a master (fp32), in `model_overrides`; conversions are noted.
+    fn apply(
+        &self,
+        record: &mut OptimizerRecord,
+        model_overrides: &mut Vec<(Tensor, Tensor)>,
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<()> {
+        let items = self.list.elements()?;
+        if items.len() != self.flat.len() {
+            return Err(bad_value(
+                self.list.path(),
+                format!(
+                    "{} master parameters, optimizer {} has {} (the list is amp.master_params(optimizer): \
+                     every parameter of its groups in order)",
+                    items.len(),
+                    self.index,
+                    self.flat.len()
+                ),
+            ));
+        }
+        let position: std::collections::HashMap<&str, usize> =
+            self.optimizer.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
+        for (item, name) in items.iter().zip(self.flat.iter().copied()) {
+            let pos = position[name.as_str()];
+            let var = &self.vars[name.as_str()];
+            let t = item.as_tensor()?;
+            if t.size() != var.size() {
+                return Err(AmpError::State(StateError::ShapeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                }));
+            }
+            if !crate::dtype::is_floating(t.kind()) {
+                return Err(AmpError::State(StateError::DtypeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: "a floating dtype".into(),
+                    found: t.kind(),
+                }));
+            }
+            if !model::all_finite(t)? {
+                return Err(AmpError::State(StateError::NonFinite { path: item.path() }));
+            }
+            let kind = if self.layout[pos].has_master { Kind::Float } else { var.kind() };
+            if t.kind() != kind {
+                converted.push((item.path(), t.kind(), kind));
+            }
+            let value = t
+                .f_to_device(var.device())
+                .and_then(|t| t.f_to_kind(kind))
+                .and_then(|t| t.f_detach_copy())
+                .map_err(|source| AmpError::Torch { context: "checking a master parameter", source })?;
+            if self.layout[pos].has_master {
+                record.params[pos].master = Some(value);
+            } else {
+                model_overrides.push((var.shallow_clone(), value));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The checkpoint dict [`save_torch_checkpoint`] writes, as a value tree. Its tensors share
 /// storage with the masters and the optimizer state: save it before the next step.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`Options`) for options that do not fit the call (a key per
+/// [`ConfigError::OptionsMismatch`] for options that do not fit the call (a key per
 /// optimizer, no entry named like the model, optimizer, scaler or master-parameter entry, a
 /// `param_order` that covers the optimizer's parameters once and keeps each group to one set of
-/// values, `tied` names of a variable and of no variable); [`TorchCheckpointError::NoTorchForm`]
-/// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read;
+/// values, `tied` names of a variable and of no variable);
+/// [`ConfigError::NoTorchForm`](crate::error::ConfigError::NoTorchForm) for an optimizer running
+/// a user's rule; [`AmpError::Torch`] if a tensor cannot be read;
 /// [`UsageError::NotConsolidated`](crate::error::UsageError::NotConsolidated) for a sharded
 /// optimizer whose state was not gathered on this rank
 /// ([`AmpOptimizer::consolidate_state_dict`], as torch's `consolidate_state_dict(to=0)` before
@@ -303,7 +340,7 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     scalers: &S,
     options: &TorchSaveOptions,
 ) -> Result<Value> {
-    let options_err = |message: String| TorchCheckpointError::Options { message };
+    let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
     if optimizers.len() != options.optimizer_keys.len() {
         return Err(options_err(format!(
             "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
@@ -378,7 +415,7 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
 /// the previous file or the complete new one.
 ///
 /// # Errors
-/// As [`torch_checkpoint_value`], and [`TorchCheckpointError::File`] when the file cannot be written
+/// As [`torch_checkpoint_value`], and [`AmpError::File`] when the file cannot be written
 /// (the previous file is intact).
 pub fn save_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
@@ -413,7 +450,7 @@ pub fn optimizer_record_from_torch(
 /// group's `param_names`.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] when `order` does not name each parameter once or puts
+/// [`StateError::ParamOrder`] when `order` does not name each parameter once or puts
 /// parameters of different learning rates into one group.
 pub fn optimizer_record_to_torch(
     record: &OptimizerRecord,
@@ -428,7 +465,7 @@ pub fn optimizer_record_to_torch(
 /// [module docs](crate::torch_checkpoint)).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`ParamCount`, `ParamOrder`) as [`load_torch_checkpoint`].
+/// [`StateError::ParamCount`], [`StateError::ParamOrder`] as [`load_torch_checkpoint`].
 pub fn param_order_from_torch(
     state_dict: &Value,
     optimizer: &AmpOptimizer,
@@ -447,11 +484,11 @@ pub fn param_order_from_torch(
 /// update as torch.optim.SGD).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`BadValue`) for a state dict of another class than torch.optim's
+/// [`StateError::StateMismatch`] for a state dict of another class than torch.optim's
 /// SGD, Adam, AdamW and RMSprop and Apex's FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and
 /// FusedAdagrad, or an Adam-family state dict that does not say which of the two it is
 /// (torch < 2.6);
-/// [`TorchCheckpointError::File`] for a missing or mistyped entry.
+/// [`AmpError::File`] for a missing or mistyped entry.
 pub fn optimizer_config(state_dict: &Value) -> Result<(OptimizerConfig, f64)> {
     optim::config_from_node(&state_dict.node())
 }

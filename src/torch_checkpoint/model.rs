@@ -1,15 +1,16 @@
-//! The model state dict: `model.state_dict()` by name into the VarStore (checked and staged,
+//! The model state dict: `model.state_dict()` by name into the VarStore (checked and checked,
 //! applied later), and the VarStore out as a state dict in torch's module order.
 use std::collections::{BTreeMap, BTreeSet};
 
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::error::Result;
-use super::error::TorchCheckpointError;
+use super::error::bad_value;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+
 use super::options::{KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use crate::dtype::{is_floating, is_low_precision};
-use crate::error::{AmpError, TorchContext};
+use crate::error::TorchContext;
 use crate::optim::{torch_param_order, OptimizerRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -19,7 +20,7 @@ const AUTO_PREFIXES: [&str; 2] = ["module.", "_orig_mod."];
 const NUM_BATCHES_TRACKED: &str = "num_batches_tracked";
 
 /// A model state dict checked against a VarStore, ready to apply.
-pub(super) struct StagedModel {
+pub(super) struct CheckedModel {
     /// (variable, value in the variable's dtype on its device).
     pub(super) copies: Vec<(Tensor, Tensor)>,
     /// fp32 values of the fp16/bf16 variables, by name: their masters under O2.
@@ -38,10 +39,10 @@ pub(super) struct StagedModel {
 fn key_str<'a>(node: &Node<'_>, key: &'a Key) -> Result<&'a str> {
     match key {
         Key::Str(s) => Ok(s),
-        Key::Int(i) => Err(TorchCheckpointError::BadValue {
-            path: node.path(),
-            message: format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
-        }),
+        Key::Int(i) => Err(bad_value(
+            node.path(),
+            format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
+        )),
     }
 }
 
@@ -93,14 +94,14 @@ fn same_view(a: &Tensor, b: &Tensor) -> bool {
         && a.device() == b.device()
 }
 
-/// Checks the model state dict at `node` against `vs` and stages every value.
-pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<StagedModel> {
+/// Checks the model state dict at `node` against `vs` and copies every value to the variables' devices.
+pub(super) fn check(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<CheckedModel> {
     let entries = node.entries()?;
     let vars = vs.variables();
     let vs_names: BTreeSet<String> = vars.keys().cloned().collect();
     let keys: Vec<&str> = entries.iter().map(|(k, _)| key_str(node, k)).collect::<Result<_>>()?;
     let prefix = prefix_to_strip(&keys, &vs_names, &options.key_prefix);
-    let mut staged = StagedModel {
+    let mut checked = CheckedModel {
         copies: Vec::new(),
         fp32: BTreeMap::new(),
         order: Vec::new(),
@@ -120,54 +121,59 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
         seen_tensors.push((name, t));
         let Some(var) = vars.get(name) else {
             if let Some(first) = alias_of {
-                staged.ignored.push(format!("{name} (the same tensor as {first})"));
+                checked.ignored.push(format!("{name} (the same tensor as {first})"));
             } else if name.rsplit('.').next() == Some(NUM_BATCHES_TRACKED) {
-                staged.ignored.push(name.to_string());
+                checked.ignored.push(name.to_string());
             } else {
-                staged.unexpected.push(name.to_string());
+                checked.unexpected.push(name.to_string());
             }
             continue;
         };
         if alias_of.is_none() {
-            staged.order.push(name.to_string());
+            checked.order.push(name.to_string());
         }
         if !loaded.insert(name) {
-            return Err(TorchCheckpointError::BadValue {
-                path: entry.path(),
-                message: format!("{name} appears twice once the prefix {prefix:?} is stripped"),
-            });
+            return Err(bad_value(
+                entry.path(),
+                format!("{name} appears twice once the prefix {prefix:?} is stripped"),
+            ));
         }
         if t.size() != var.size() {
-            return Err(TorchCheckpointError::ShapeMismatch {
+            return Err(AmpError::State(StateError::ShapeMismatch {
                 path: entry.path(),
                 target: name.to_string(),
                 expected: var.size(),
                 found: t.size(),
-            });
+            }));
         }
         check_dtype(&entry.path(), name, t.kind(), var.kind(), options.exact_dtypes)?;
         if !all_finite(t)? {
-            return Err(TorchCheckpointError::NonFinite { path: entry.path() });
+            return Err(AmpError::State(StateError::NonFinite { path: entry.path() }));
         }
         let on_device = t.f_to_device(var.device()).ctx("moving a state dict entry to the VarStore's device")?;
         if is_low_precision(var.kind()) {
             let fp32 = on_device.f_to_kind(Kind::Float).ctx("an fp32 copy for the master")?;
-            staged.fp32.insert(name.to_string(), fp32);
+            checked.fp32.insert(name.to_string(), fp32);
         }
         if t.kind() != var.kind() {
-            staged.converted.push((name.to_string(), t.kind(), var.kind()));
+            checked.converted.push((name.to_string(), t.kind(), var.kind()));
         }
         let value = on_device.f_to_kind(var.kind()).ctx("converting a state dict entry")?;
-        staged.copies.push((var.shallow_clone(), value));
+        checked.copies.push((var.shallow_clone(), value));
     }
-    staged.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
-    if options.strict && !(staged.missing.is_empty() && staged.unexpected.is_empty()) {
-        return Err(TorchCheckpointError::KeysMismatch {
-            missing: std::mem::take(&mut staged.missing),
-            unexpected: std::mem::take(&mut staged.unexpected),
-        });
+    checked.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
+    if options.strict && !(checked.missing.is_empty() && checked.unexpected.is_empty()) {
+        let (missing_keys, unexpected_keys) =
+            (std::mem::take(&mut checked.missing), std::mem::take(&mut checked.unexpected));
+        let remedy = super::error::mismatch_remedy(&missing_keys, &unexpected_keys);
+        return Err(AmpError::State(StateError::IncompatibleKeys {
+            what: "the model state dict".to_string(),
+            missing_keys,
+            unexpected_keys,
+            remedy,
+        }));
     }
-    Ok(staged)
+    Ok(checked)
 }
 
 /// Whether a tensor of `found` may load into a variable of `var` (see
@@ -190,7 +196,12 @@ fn check_dtype(path: &str, name: &str, found: Kind, var: Kind, exact: bool) -> R
     } else {
         format!("a floating dtype (the variable is {var:?})")
     };
-    Err(TorchCheckpointError::DtypeMismatch { path: path.to_string(), target: name.to_string(), expected, found })
+    Err(AmpError::State(StateError::DtypeMismatch {
+        path: path.to_string(),
+        target: name.to_string(),
+        expected,
+        found,
+    }))
 }
 
 /// The trainable variables' names in the VarStore's creation order (tch keeps groups and
@@ -272,7 +283,7 @@ pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &T
         }
     }
     for (alias, variable) in &options.tied {
-        let options_err = |message: String| TorchCheckpointError::Options { message };
+        let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
         if vars.contains_key(alias) {
             return Err(options_err(format!(
                 "tied({alias:?}, {variable:?}): {alias} is a variable of the VarStore itself"

@@ -20,11 +20,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use tch::{nn, Device, Kind, Tensor};
 
-use super::error::Result;
-use super::error::TorchCheckpointError as E;
+use super::error::bad_value;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+
 use super::options::TorchParamOrder;
 use crate::dtype::is_floating;
 use crate::error::TorchContext;
+use crate::optim::amp_optimizer::ParamLayout;
 use crate::optim::apex::{FusedAdagrad, FusedAdam, FusedLamb, FusedNovoGrad, FusedSgd, NovoGradNorm};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerConfig, OptimizerRecord, ParamRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
@@ -205,7 +207,11 @@ const NOVOGRAD_NORMS: &str = "exp_avg_sq";
 
 /// The class of tch-amp's `kind`, or the typed error for an optimizer without a torch form.
 fn class_of(kind: &str, optimizer: usize) -> Result<&'static Class> {
-    CLASSES.iter().copied().find(|c| c.kind == kind).ok_or_else(|| E::NoTorchForm { optimizer, kind: kind.to_string() })
+    CLASSES
+        .iter()
+        .copied()
+        .find(|c| c.kind == kind)
+        .ok_or_else(|| AmpError::Config(ConfigError::NoTorchForm { optimizer, kind: kind.to_string() }))
 }
 
 /// The optimizer class a param group's keys describe.
@@ -252,12 +258,11 @@ impl FileKind {
         if has("eps")? && !has("lr_decay")? && !has("initial_accumulator_value")? {
             return Ok(FileKind::FusedAdagrad);
         }
-        Err(E::BadValue {
-            path: group.path(),
-            message: "a param group of none of the optimizers tch-amp maps (torch.optim's SGD, Adam, AdamW and \
-                      RMSprop; apex.optimizers' FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and FusedAdagrad)"
-                .into(),
-        })
+        Err(bad_value(
+            group.path(),
+            "a param group of none of the optimizers tch-amp maps (torch.optim's SGD, Adam, AdamW and \
+                      RMSprop; apex.optimizers' FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and FusedAdagrad)",
+        ))
     }
 
     fn name(self) -> &'static str {
@@ -345,10 +350,7 @@ fn group_values(g: &Node<'_>, class: &Class) -> Result<(Vec<GroupValue>, Vec<Gro
                     Some(betas) => {
                         let b = betas.elements()?;
                         if b.len() != 2 {
-                            return Err(E::BadValue {
-                                path: betas.path(),
-                                message: format!("{} betas, expected 2", b.len()),
-                            });
+                            return Err(bad_value(betas.path(), format!("{} betas, expected 2", b.len())));
                         }
                         (number(&b[0])?, number(&b[1])?)
                     }
@@ -413,7 +415,7 @@ pub fn default_param_order(optimizer: &AmpOptimizer) -> TorchParamOrder {
 /// Checks that `order` has the file's group sizes and names each of the optimizer's
 /// parameters once.
 fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimizer, index: usize) -> Result<()> {
-    let err = |reason: String| E::ParamOrder { optimizer: index, reason };
+    let err = |reason: String| AmpError::State(StateError::ParamOrder { optimizer: index, reason });
     let got: Vec<usize> = order.iter().map(Vec::len).collect();
     if got != sizes {
         return Err(err(format!("the order gives groups of {got:?} parameters, the file's groups have {sizes:?}")));
@@ -445,8 +447,8 @@ fn check_order(order: &TorchParamOrder, sizes: &[usize], optimizer: &AmpOptimize
 /// file's group sizes puts each file group into one tch parameter group and no two into the same.
 ///
 /// # Errors
-/// [`E::ParamCount`] when the file's groups hold another number of parameters than the
-/// optimizer; [`E::ParamOrder`] when the order is ambiguous or does not fit.
+/// [`StateError::ParamCount`](crate::error::StateError::ParamCount) when the file's groups hold another number of parameters than the
+/// optimizer; [`StateError::ParamOrder`](crate::error::StateError::ParamOrder) when the order is ambiguous or does not fit.
 pub(super) fn resolve_order(
     node: &Node<'_>,
     optimizer: &AmpOptimizer,
@@ -460,7 +462,12 @@ pub(super) fn resolve_order(
     let total: usize = sizes.iter().sum();
     let names = optimizer.param_names();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
+        return Err(AmpError::State(StateError::ParamCount {
+            optimizer: index,
+            path: node.path(),
+            in_file: total,
+            in_optimizer: names.len(),
+        }));
     }
     if let Some(order) = explicit {
         check_order(order, &sizes, optimizer, index)?;
@@ -479,9 +486,10 @@ pub(super) fn resolve_order(
             })
             .collect::<Result<_>>()?;
         check_order(&order, &sizes, optimizer, index).map_err(|e| match e {
-            E::ParamOrder { optimizer, reason } => {
-                E::ParamOrder { optimizer, reason: format!("the file's param_names: {reason}") }
-            }
+            AmpError::State(StateError::ParamOrder { optimizer, reason }) => AmpError::State(StateError::ParamOrder {
+                optimizer,
+                reason: format!("the file's param_names: {reason}"),
+            }),
             other => other,
         })?;
         return Ok(order);
@@ -491,13 +499,13 @@ pub(super) fn resolve_order(
     if in_model.len() != names.len() {
         let listed: BTreeSet<&str> = in_model.iter().map(|s| s.as_str()).collect();
         let absent: Vec<&str> = names.iter().copied().filter(|n| !listed.contains(n)).take(5).collect();
-        return Err(E::ParamOrder {
+        return Err(AmpError::State(StateError::ParamOrder {
             optimizer: index,
             reason: format!(
                 "the file has no param_names and the parameters {absent:?} are not in the model state dict, whose \
                  order is model.parameters()'s"
             ),
-        });
+        }));
     }
     let layout = optimizer.param_layout();
     // The optimizer's groups, each in model order.
@@ -526,7 +534,7 @@ pub(super) fn resolve_order(
             let single = tch.len() == 1;
             let first = tch.iter().next().copied().unwrap_or(0);
             if !single || taken.insert(first, i).is_some() {
-                return Err(E::ParamOrder {
+                return Err(AmpError::State(StateError::ParamOrder {
                     optimizer: index,
                     reason: format!(
                         "the file has {} param groups of {sizes:?} parameters and no param_names; the optimizer's \
@@ -535,7 +543,7 @@ pub(super) fn resolve_order(
                          would be {g:?}), so the Python script built its groups in another way",
                         order.len()
                     ),
-                });
+                }));
             }
         }
     }
@@ -556,7 +564,7 @@ fn read_step(n: &Node<'_>) -> Result<u64> {
         _ => number(n)?,
     };
     if !(v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v <= 9_007_199_254_740_992.0) {
-        return Err(E::BadValue { path: n.path(), message: format!("step {v} is not a count (an integer >= 0)") });
+        return Err(bad_value(n.path(), format!("step {v} is not a count (an integer >= 0)")));
     }
     Ok(v as u64)
 }
@@ -588,340 +596,43 @@ pub(super) fn record_from_node(
     let names = optimizer.param_names();
     let total: usize = sizes.iter().sum();
     if total != names.len() {
-        return Err(E::ParamCount { optimizer: index, path: node.path(), in_file: total, in_optimizer: names.len() });
+        return Err(AmpError::State(StateError::ParamCount {
+            optimizer: index,
+            path: node.path(),
+            in_file: total,
+            in_optimizer: names.len(),
+        }));
     }
     check_order(order, &sizes, optimizer, index)?;
     let kind = optimizer.rule_kind().to_string();
     let class = class_of(&kind, index)?;
     let current = optimizer.to_record();
-    let layout = optimizer.param_layout();
-    let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let mut ignored_keys = Vec::new();
-
-    // Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
-    // to the optimizer's groups their parameters are in.
-    let mut given: BTreeMap<usize, Given> = BTreeMap::new();
-    let mut first_lr = None;
-    for (gi, g) in groups.iter().enumerate() {
-        let file_kind = FileKind::of(g)?;
-        if !file_kind.matches(&kind) {
-            return Err(E::OptimizerKind {
-                optimizer: index,
-                path: node.path(),
-                in_file: file_kind.name().into(),
-                in_optimizer: class.name.into(),
-            });
-        }
-        let lr_node = g.get("lr")?;
-        let lr = number(&lr_node)?;
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(E::BadValue { path: lr_node.path(), message: format!("lr {lr} must be finite and >= 0") });
-        }
-        first_lr.get_or_insert(lr);
-        let step = match (class.group_step, g.get_opt("step")?) {
-            (true, Some(n)) => read_step(&n)?,
-            _ => 0,
-        };
-        let (values, wide) = group_values(g, class)?;
-        let values: Vec<(&'static str, f64, &'static str)> =
-            values.into_iter().map(|v| (v.ours, v.value, v.torch)).collect();
-        for (k, _) in g.entries()? {
-            let key = match k {
-                Key::Str(s) => s.clone(),
-                Key::Int(i) => i.to_string(),
-            };
-            let known = ["lr", "params", "param_names"].contains(&key.as_str())
-                || (class.group_step && key == "step")
-                || (class.kind == FUSED_NOVOGRAD.kind && key == NOVOGRAD_NORMS)
-                || class.keys.iter().any(|(k, _)| *k == key);
-            if !known {
-                ignored_keys.push(format!("{}.{key}", g.path()));
-            }
-        }
-        for name in &order[gi] {
-            let slot = layout[position[name.as_str()]].slot;
-            let own = &current.groups[slot];
-            // Optimizer-wide values the file repeats: Apex reads the optimizer's, so do we.
-            for w in &wide {
-                let ours = own.hyper_parameters.get(w.ours).copied().unwrap_or(f64::NAN);
-                if w.value.to_bits() != ours.to_bits() {
-                    if strict_hyper {
-                        return Err(hyper_error(index, g, w.torch, show(w.ours, w.value), show(w.ours, ours)));
-                    }
-                    let path = format!("{}.{}", g.path(), w.torch);
-                    if !ignored_keys.contains(&path) {
-                        ignored_keys.push(path);
-                    }
-                }
-            }
-            if strict_hyper {
-                for (ours, v, torch) in &values {
-                    let mine = own.hyper_parameters.get(*ours).copied().unwrap_or(f64::NAN);
-                    if v.to_bits() != mine.to_bits() {
-                        let (in_file, in_opt) = if *torch == "betas" {
-                            let b = |f: &dyn Fn(&str) -> f64| format!("({:?}, {:?})", f("beta1"), f("beta2"));
-                            let file = |k: &str| values.iter().find(|x| x.0 == k).map_or(f64::NAN, |x| x.1);
-                            let opt = |k: &str| own.hyper_parameters.get(k).copied().unwrap_or(f64::NAN);
-                            (b(&file), b(&opt))
-                        } else {
-                            (show(ours, *v), show(ours, mine))
-                        };
-                        return Err(hyper_error(index, g, torch, in_file, in_opt));
-                    }
-                }
-            }
-            match given.get(&slot) {
-                None => {
-                    given.insert(slot, Given { path: g.path(), lr, values: values.clone(), step });
-                }
-                Some(other) => {
-                    if other.lr.to_bits() != lr.to_bits() {
-                        return Err(E::HyperParameter {
-                            optimizer: index,
-                            path: g.path(),
-                            name: "lr".into(),
-                            in_file: format!("{lr:?} here and {:?} in {}", other.lr, other.path),
-                            in_optimizer: format!(
-                                "one learning rate for parameter group {} (which holds {name})",
-                                own.id
-                            ),
-                            remedy: group_remedy(),
-                        });
-                    }
-                    if let Some(((k, v, t), (_, w, _))) =
-                        values.iter().zip(&other.values).find(|((_, v, _), (_, w, _))| v.to_bits() != w.to_bits())
-                    {
-                        return Err(E::HyperParameter {
-                            optimizer: index,
-                            path: g.path(),
-                            name: (*t).into(),
-                            in_file: format!("{} here and {} in {}", show(k, *v), show(k, *w), other.path),
-                            in_optimizer: format!("one value for parameter group {} (which holds {name})", own.id),
-                            remedy: group_remedy(),
-                        });
-                    }
-                    if other.step != step {
-                        return Err(E::BadValue {
-                            path: g.path(),
-                            message: format!(
-                                "step {step} here and {} in {}, for one parameter group of the optimizer",
-                                other.step, other.path
-                            ),
-                        });
-                    }
-                }
-            }
-        }
-    }
-
-    // The optimizer's groups with the file's values.
-    let mut group_records: Vec<GroupRecord> = current
-        .groups
-        .iter()
-        .enumerate()
-        .map(|(slot, own)| {
-            let mut g = own.clone();
-            if let Some(giv) = given.get(&slot) {
-                g.lr = giv.lr;
-                for (k, v, _) in &giv.values {
-                    if g.hyper_parameters.contains_key(*k) {
-                        g.hyper_parameters.insert((*k).to_string(), *v);
-                    }
-                }
-                g.step = giv.step;
-            }
-            g
-        })
-        .collect();
-
-    // Which torch index is which parameter.
-    let mut id_to_name: HashMap<i64, &str> = HashMap::new();
-    for (gi, (g_ids, g_names)) in ids.iter().zip(order).enumerate() {
-        for (id, name) in g_ids.iter().zip(g_names) {
-            if id_to_name.insert(*id, name.as_str()).is_some() {
-                return Err(E::BadValue {
-                    path: format!("{}.param_groups.{gi}.params", node.path()),
-                    message: format!("parameter index {id} is listed twice"),
-                });
-            }
-        }
-    }
-
+    let ctx = Reading {
+        node,
+        index,
+        class,
+        position: names.iter().enumerate().map(|(i, n)| (*n, i)).collect(),
+        layout: optimizer.param_layout(),
+        names,
+    };
+    let (given, first_lr, ignored_keys) = ctx.read_groups(&groups, order, &current, strict_hyper)?;
+    let mut group_records = with_given(&current.groups, &given);
+    let id_to_name = ctx.index_names(&ids, order)?;
     // Per-parameter state, each parameter's as its group's settings keep it.
-    let expected: Vec<Vec<(String, Kind, Vec<i64>)>> = (0..names.len())
-        .map(|i| {
-            let g = &group_records[layout[i].slot];
-            optimizer.state_layout(i, &g.hyper_parameters.clone().into())
-        })
+    let expected: Vec<Vec<(String, Kind, Vec<i64>)>> = (0..ctx.names.len())
+        .map(|i| optimizer.state_layout(i, &group_records[ctx.layout[i].slot].hyper_parameters.clone().into()))
         .collect();
-    let mut params: Vec<ParamRecord> = names
+    let mut params: Vec<ParamRecord> = ctx
+        .names
         .iter()
         .map(|n| ParamRecord { name: n.to_string(), step: 0, buffers: BTreeMap::new(), master: None })
         .collect();
     let mut converted = Vec::new();
-    let mut stage_tensor = |v: &Node<'_>, pos: usize, want_kind: Kind, want_shape: &[i64]| -> Result<Tensor> {
-        let name = names[pos];
-        let t = v.as_tensor()?;
-        if t.size() != want_shape {
-            return Err(E::ShapeMismatch {
-                path: v.path(),
-                target: name.to_string(),
-                expected: want_shape.to_vec(),
-                found: t.size(),
-            });
-        }
-        let ok = if exact_dtypes { t.kind() == want_kind } else { is_floating(t.kind()) };
-        if !ok {
-            return Err(E::DtypeMismatch {
-                path: v.path(),
-                target: name.to_string(),
-                expected: format!("{want_kind:?} (the optimizer keeps this state in it)"),
-                found: t.kind(),
-            });
-        }
-        if !super::model::all_finite(t)? {
-            return Err(E::NonFinite { path: v.path() });
-        }
-        if t.kind() != want_kind {
-            converted.push((v.path(), t.kind(), want_kind));
-        }
-        Ok(t.f_to_kind(want_kind).and_then(|t| t.f_detach_copy()).ctx("copying optimizer state")?)
-    };
-    let state = node.get("state")?;
-    let in_group = |kind: &str, buf: &str| kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS;
-    for (key, st) in state.entries()? {
-        let id = match key {
-            Key::Int(i) => *i,
-            Key::Str(s) => {
-                return Err(E::BadValue {
-                    path: state.path(),
-                    message: format!("has the key {s:?}; torch.optim keys its state by parameter index"),
-                })
-            }
-        };
-        let name = *id_to_name.get(&id).ok_or_else(|| E::BadValue {
-            path: st.path(),
-            message: format!("state for parameter index {id}, which no param group lists"),
-        })?;
-        let pos = position[name];
-        for (k, v) in st.entries()? {
-            let k = match k {
-                Key::Str(s) => s.as_str(),
-                Key::Int(i) => return Err(E::BadValue { path: st.path(), message: format!("unexpected int key {i}") }),
-            };
-            if k == "step" {
-                if class.param_step {
-                    params[pos].step = read_step(&v)?;
-                }
-                continue;
-            }
-            if v.is_none() {
-                continue; // SGD without momentum may store momentum_buffer = None
-            }
-            let names_kept: Vec<&str> =
-                expected[pos].iter().map(|(n, ..)| n.as_str()).filter(|n| !in_group(&kind, n)).collect();
-            let Some((buf, want_kind, want_shape)) = expected[pos].iter().find(|(b, ..)| b == k && !in_group(&kind, b))
-            else {
-                return Err(E::BadValue {
-                    path: v.path(),
-                    message: format!(
-                        "{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}",
-                        class.name
-                    ),
-                });
-            };
-            let t = stage_tensor(&v, pos, *want_kind, want_shape)?;
-            params[pos].buffers.insert(buf.clone(), t);
-        }
-    }
-    // FusedNovoGrad's norms, kept in the group: one vector for its fp16 parameters, one for its
-    // fp32 ones, each in the group's order.
+    ctx.read_state(&id_to_name, &expected, exact_dtypes, &mut params, &mut converted)?;
     if class.kind == FUSED_NOVOGRAD.kind {
-        for (gi, g) in groups.iter().enumerate() {
-            let Some(norms) = g.get_opt(NOVOGRAD_NORMS)? else { continue };
-            let parts = norms.elements()?;
-            if parts.len() != 2 {
-                return Err(E::BadValue {
-                    path: norms.path(),
-                    message: format!("{} entries; FusedNovoGrad keeps [fp16 norms, fp32 norms]", parts.len()),
-                });
-            }
-            for (part, half) in parts.iter().zip([true, false]) {
-                let members: Vec<usize> = order[gi]
-                    .iter()
-                    .map(|n| position[n.as_str()])
-                    .filter(|&p| (layout[p].kind == Kind::Half) == half)
-                    .collect();
-                let t = part.as_tensor()?;
-                if t.size() != [members.len() as i64] {
-                    return Err(E::ShapeMismatch {
-                        path: part.path(),
-                        target: format!(
-                            "the norms of param group {gi}'s {} parameters",
-                            if half { "fp16" } else { "fp32" }
-                        ),
-                        expected: vec![members.len() as i64],
-                        found: t.size(),
-                    });
-                }
-                if !is_floating(t.kind()) {
-                    return Err(E::DtypeMismatch {
-                        path: part.path(),
-                        target: format!("the norms of param group {gi}"),
-                        expected: "a floating dtype".into(),
-                        found: t.kind(),
-                    });
-                }
-                if !super::model::all_finite(t)? {
-                    return Err(E::NonFinite { path: part.path() });
-                }
-                for (j, &pos) in members.iter().enumerate() {
-                    let Some((buf, want_kind, _)) = expected[pos].iter().find(|(b, ..)| in_group(&kind, b)) else {
-                        continue;
-                    };
-                    if params[pos].buffers.is_empty() {
-                        continue; // no state yet: no norm either
-                    }
-                    let norm = t
-                        .f_get(j as i64)
-                        .and_then(|n| n.f_to_kind(*want_kind))
-                        .and_then(|n| n.f_detach_copy())
-                        .ctx("a FusedNovoGrad norm")?;
-                    params[pos].buffers.insert(buf.clone(), norm);
-                }
-            }
-        }
+        ctx.read_novograd_norms(&groups, order, &expected, &mut params)?;
     }
-    for (pos, p) in params.iter_mut().enumerate() {
-        let keeps = expected[pos].len();
-        let slot = layout[pos].slot;
-        if !p.buffers.is_empty() && p.buffers.len() != keeps {
-            let have: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
-            let want: Vec<&str> = expected[pos].iter().map(|(n, ..)| n.as_str()).collect();
-            return Err(E::BadValue {
-                path: format!("{}.state (parameter {})", node.path(), p.name),
-                message: format!("has {have:?}; {} keeps {want:?} together", class.name),
-            });
-        }
-        if class.group_step && !p.buffers.is_empty() {
-            p.step = group_records[slot].step;
-        }
-        // Classes that count steps (per group or per parameter) must have counted one.
-        let counted = if class.group_step || class.param_step { p.step } else { 1 };
-        if !p.buffers.is_empty() && counted == 0 {
-            return Err(E::BadValue {
-                path: format!("{}.state (parameter {})", node.path(), p.name),
-                message: "has optimizer state but no step (or step 0)".into(),
-            });
-        }
-    }
-    // torch's classes count steps per parameter: a group's count is its parameters' highest.
-    if !class.group_step {
-        for (slot, g) in group_records.iter_mut().enumerate() {
-            g.step = params.iter().zip(&layout).filter(|(_, l)| l.slot == slot).map(|(p, _)| p.step).max().unwrap_or(0);
-        }
-    }
-
+    ctx.check_steps(&expected, &mut group_records, &mut params)?;
     let lr = first_lr.unwrap_or_else(|| optimizer.lr());
     let steps = if class.group_step {
         group_records.iter().map(|g| g.step).max().unwrap_or(0)
@@ -941,6 +652,413 @@ pub(super) fn record_from_node(
     Ok(LoadedRecord { record, converted, ignored_keys })
 }
 
+/// The optimizer's groups with the file's values where a file group gave them.
+fn with_given(groups: &[GroupRecord], given: &BTreeMap<usize, Given>) -> Vec<GroupRecord> {
+    groups
+        .iter()
+        .enumerate()
+        .map(|(slot, own)| {
+            let mut g = own.clone();
+            if let Some(giv) = given.get(&slot) {
+                g.lr = giv.lr;
+                for (k, v, _) in &giv.values {
+                    if g.hyper_parameters.contains_key(*k) {
+                        g.hyper_parameters.insert((*k).to_string(), *v);
+                    }
+                }
+                g.step = giv.step;
+            }
+            g
+        })
+        .collect()
+}
+
+/// What the readers of one optimizer state dict share: the dict, the optimizer's position in
+/// the call, its class, and its parameters (names, positions, layout).
+struct Reading<'a, 'n> {
+    node: &'a Node<'n>,
+    index: usize,
+    class: &'static Class,
+    names: Vec<&'a str>,
+    position: HashMap<&'a str, usize>,
+    layout: Vec<ParamLayout>,
+}
+
+/// Whether `buf` is a state FusedNovoGrad keeps in its group rather than per parameter.
+fn in_group(kind: &str, buf: &str) -> bool {
+    kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS
+}
+
+impl<'a, 'n> Reading<'a, 'n> {
+    /// Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
+    /// to the optimizer's groups their parameters are in; the first group's learning rate; the
+    /// group keys left unread.
+    fn read_groups(
+        &self,
+        groups: &[Node<'_>],
+        order: &TorchParamOrder,
+        current: &OptimizerRecord,
+        strict_hyper: bool,
+    ) -> Result<(BTreeMap<usize, Given>, Option<f64>, Vec<String>)> {
+        let (index, class) = (self.index, self.class);
+        let mut given: BTreeMap<usize, Given> = BTreeMap::new();
+        let mut first_lr = None;
+        let mut ignored_keys = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            let file_kind = FileKind::of(g)?;
+            if !file_kind.matches(class.kind) {
+                return Err(AmpError::State(StateError::OptimizerKind {
+                    optimizer: index,
+                    path: self.node.path(),
+                    in_file: file_kind.name().into(),
+                    in_optimizer: class.name.into(),
+                }));
+            }
+            let lr_node = g.get("lr")?;
+            let lr = number(&lr_node)?;
+            if !(lr.is_finite() && lr >= 0.0) {
+                return Err(bad_value(lr_node.path(), format!("lr {lr} must be finite and >= 0")));
+            }
+            first_lr.get_or_insert(lr);
+            let step = match (class.group_step, g.get_opt("step")?) {
+                (true, Some(n)) => read_step(&n)?,
+                _ => 0,
+            };
+            let (values, wide) = group_values(g, class)?;
+            let values: Vec<(&'static str, f64, &'static str)> =
+                values.into_iter().map(|v| (v.ours, v.value, v.torch)).collect();
+            for (k, _) in g.entries()? {
+                let key = match k {
+                    Key::Str(s) => s.clone(),
+                    Key::Int(i) => i.to_string(),
+                };
+                let known = ["lr", "params", "param_names"].contains(&key.as_str())
+                    || (class.group_step && key == "step")
+                    || in_group(class.kind, &key)
+                    || class.keys.iter().any(|(k, _)| *k == key);
+                if !known {
+                    ignored_keys.push(format!("{}.{key}", g.path()));
+                }
+            }
+            for name in &order[gi] {
+                let slot = self.layout[self.position[name.as_str()]].slot;
+                let own = &current.groups[slot];
+                // Optimizer-wide values the file repeats: Apex reads the optimizer's, so do we.
+                for w in &wide {
+                    let ours = own.hyper_parameters.get(w.ours).copied().unwrap_or(f64::NAN);
+                    if w.value.to_bits() != ours.to_bits() {
+                        if strict_hyper {
+                            return Err(hyper_error(index, g, w.torch, show(w.ours, w.value), show(w.ours, ours)));
+                        }
+                        let path = format!("{}.{}", g.path(), w.torch);
+                        if !ignored_keys.contains(&path) {
+                            ignored_keys.push(path);
+                        }
+                    }
+                }
+                if strict_hyper {
+                    check_strict(index, g, &values, own)?;
+                }
+                match given.get(&slot) {
+                    None => {
+                        given.insert(slot, Given { path: g.path(), lr, values: values.clone(), step });
+                    }
+                    Some(other) => check_same_group(index, g, name, own.id, other, lr, &values, step)?,
+                }
+            }
+        }
+        Ok((given, first_lr, ignored_keys))
+    }
+
+    /// Which torch index is which parameter.
+    fn index_names(&self, ids: &[Vec<i64>], order: &TorchParamOrder) -> Result<HashMap<i64, &'a str>> {
+        let mut id_to_name: HashMap<i64, &'a str> = HashMap::new();
+        for (gi, (g_ids, g_names)) in ids.iter().zip(order).enumerate() {
+            for (id, name) in g_ids.iter().zip(g_names) {
+                let name = self.names[self.position[name.as_str()]];
+                if id_to_name.insert(*id, name).is_some() {
+                    return Err(bad_value(
+                        format!("{}.param_groups.{gi}.params", self.node.path()),
+                        format!("parameter index {id} is listed twice"),
+                    ));
+                }
+            }
+        }
+        Ok(id_to_name)
+    }
+
+    /// A state tensor of parameter `pos`, checked (shape, dtype, finite) and copied in the dtype
+    /// the optimizer keeps; conversions are noted in `converted`.
+    fn state_tensor(
+        &self,
+        v: &Node<'_>,
+        pos: usize,
+        want: (Kind, &[i64]),
+        exact_dtypes: bool,
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<Tensor> {
+        let (want_kind, want_shape) = want;
+        let name = self.names[pos];
+        let t = v.as_tensor()?;
+        if t.size() != want_shape {
+            return Err(AmpError::State(StateError::ShapeMismatch {
+                path: v.path(),
+                target: name.to_string(),
+                expected: want_shape.to_vec(),
+                found: t.size(),
+            }));
+        }
+        let ok = if exact_dtypes { t.kind() == want_kind } else { is_floating(t.kind()) };
+        if !ok {
+            return Err(AmpError::State(StateError::DtypeMismatch {
+                path: v.path(),
+                target: name.to_string(),
+                expected: format!("{want_kind:?} (the optimizer keeps this state in it)"),
+                found: t.kind(),
+            }));
+        }
+        if !super::model::all_finite(t)? {
+            return Err(AmpError::State(StateError::NonFinite { path: v.path() }));
+        }
+        if t.kind() != want_kind {
+            converted.push((v.path(), t.kind(), want_kind));
+        }
+        t.f_to_kind(want_kind).and_then(|t| t.f_detach_copy()).ctx("copying optimizer state")
+    }
+
+    /// The `state` dict: each parameter's step and buffers, as its group's settings keep them.
+    fn read_state(
+        &self,
+        id_to_name: &HashMap<i64, &'a str>,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        exact_dtypes: bool,
+        params: &mut [ParamRecord],
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<()> {
+        let class = self.class;
+        let state = self.node.get("state")?;
+        for (key, st) in state.entries()? {
+            let id = match key {
+                Key::Int(i) => *i,
+                Key::Str(s) => {
+                    return Err(bad_value(
+                        state.path(),
+                        format!("has the key {s:?}; torch.optim keys its state by parameter index"),
+                    ))
+                }
+            };
+            let name = *id_to_name.get(&id).ok_or_else(|| {
+                bad_value(st.path(), format!("state for parameter index {id}, which no param group lists"))
+            })?;
+            let pos = self.position[name];
+            for (k, v) in st.entries()? {
+                let k = match k {
+                    Key::Str(s) => s.as_str(),
+                    Key::Int(i) => return Err(bad_value(st.path(), format!("unexpected int key {i}"))),
+                };
+                if k == "step" {
+                    if class.param_step {
+                        params[pos].step = read_step(&v)?;
+                    }
+                    continue;
+                }
+                if v.is_none() {
+                    continue; // SGD without momentum may store momentum_buffer = None
+                }
+                let kept = |b: &str| !in_group(class.kind, b);
+                let Some((buf, want_kind, want_shape)) = expected[pos].iter().find(|(b, ..)| b == k && kept(b)) else {
+                    let names_kept: Vec<&str> =
+                        expected[pos].iter().map(|(n, ..)| n.as_str()).filter(|n| kept(n)).collect();
+                    return Err(bad_value(
+                        v.path(),
+                        format!("{} configured as this optimizer's group keeps {names_kept:?}, not {k:?}", class.name),
+                    ));
+                };
+                let t = self.state_tensor(&v, pos, (*want_kind, want_shape), exact_dtypes, converted)?;
+                params[pos].buffers.insert(buf.clone(), t);
+            }
+        }
+        Ok(())
+    }
+
+    /// FusedNovoGrad's norms, kept in the group: one vector for its fp16 parameters, one for its
+    /// fp32 ones, each in the group's order.
+    fn read_novograd_norms(
+        &self,
+        groups: &[Node<'_>],
+        order: &TorchParamOrder,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        params: &mut [ParamRecord],
+    ) -> Result<()> {
+        for (gi, g) in groups.iter().enumerate() {
+            let Some(norms) = g.get_opt(NOVOGRAD_NORMS)? else { continue };
+            let parts = norms.elements()?;
+            if parts.len() != 2 {
+                return Err(bad_value(
+                    norms.path(),
+                    format!("{} entries; FusedNovoGrad keeps [fp16 norms, fp32 norms]", parts.len()),
+                ));
+            }
+            for (part, half) in parts.iter().zip([true, false]) {
+                let members: Vec<usize> = order[gi]
+                    .iter()
+                    .map(|n| self.position[n.as_str()])
+                    .filter(|&p| (self.layout[p].kind == Kind::Half) == half)
+                    .collect();
+                let t = part.as_tensor()?;
+                if t.size() != [members.len() as i64] {
+                    return Err(AmpError::State(StateError::ShapeMismatch {
+                        path: part.path(),
+                        target: format!(
+                            "the norms of param group {gi}'s {} parameters",
+                            if half { "fp16" } else { "fp32" }
+                        ),
+                        expected: vec![members.len() as i64],
+                        found: t.size(),
+                    }));
+                }
+                if !is_floating(t.kind()) {
+                    return Err(AmpError::State(StateError::DtypeMismatch {
+                        path: part.path(),
+                        target: format!("the norms of param group {gi}"),
+                        expected: "a floating dtype".into(),
+                        found: t.kind(),
+                    }));
+                }
+                if !super::model::all_finite(t)? {
+                    return Err(AmpError::State(StateError::NonFinite { path: part.path() }));
+                }
+                for (j, &pos) in members.iter().enumerate() {
+                    let Some((buf, want_kind, _)) = expected[pos].iter().find(|(b, ..)| in_group(self.class.kind, b))
+                    else {
+                        continue;
+                    };
+                    if params[pos].buffers.is_empty() {
+                        continue; // no state yet: no norm either
+                    }
+                    let norm = t
+                        .f_get(j as i64)
+                        .and_then(|n| n.f_to_kind(*want_kind))
+                        .and_then(|n| n.f_detach_copy())
+                        .ctx("a FusedNovoGrad norm")?;
+                    params[pos].buffers.insert(buf.clone(), norm);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter with state has all of it and has counted a step; the step counts of
+    /// groups and parameters as the class keeps them (torch's count per parameter: a group's
+    /// count is its parameters' highest).
+    fn check_steps(
+        &self,
+        expected: &[Vec<(String, Kind, Vec<i64>)>],
+        group_records: &mut [GroupRecord],
+        params: &mut [ParamRecord],
+    ) -> Result<()> {
+        let class = self.class;
+        for (pos, p) in params.iter_mut().enumerate() {
+            let keeps = expected[pos].len();
+            let slot = self.layout[pos].slot;
+            let where_ = || format!("{}.state (parameter {})", self.node.path(), p.name);
+            if !p.buffers.is_empty() && p.buffers.len() != keeps {
+                let have: Vec<&str> = p.buffers.keys().map(String::as_str).collect();
+                let want: Vec<&str> = expected[pos].iter().map(|(n, ..)| n.as_str()).collect();
+                return Err(bad_value(where_(), format!("has {have:?}; {} keeps {want:?} together", class.name)));
+            }
+            if class.group_step && !p.buffers.is_empty() {
+                p.step = group_records[slot].step;
+            }
+            // Classes that count steps (per group or per parameter) must have counted one.
+            let counted = if class.group_step || class.param_step { p.step } else { 1 };
+            if !p.buffers.is_empty() && counted == 0 {
+                return Err(bad_value(where_(), "has optimizer state but no step (or step 0)"));
+            }
+        }
+        if !class.group_step {
+            for (slot, g) in group_records.iter_mut().enumerate() {
+                g.step = params
+                    .iter()
+                    .zip(&self.layout)
+                    .filter(|(_, l)| l.slot == slot)
+                    .map(|(p, _)| p.step)
+                    .max()
+                    .unwrap_or(0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Under `strict_hyper_parameters`: file group `g`'s values equal the optimizer group `own`'s.
+fn check_strict(
+    index: usize,
+    g: &Node<'_>,
+    values: &[(&'static str, f64, &'static str)],
+    own: &GroupRecord,
+) -> Result<()> {
+    for (ours, v, torch) in values {
+        let mine = own.hyper_parameters.get(*ours).copied().unwrap_or(f64::NAN);
+        if v.to_bits() != mine.to_bits() {
+            let (in_file, in_opt) = if *torch == "betas" {
+                let b = |f: &dyn Fn(&str) -> f64| format!("({:?}, {:?})", f("beta1"), f("beta2"));
+                let file = |k: &str| values.iter().find(|x| x.0 == k).map_or(f64::NAN, |x| x.1);
+                let opt = |k: &str| own.hyper_parameters.get(k).copied().unwrap_or(f64::NAN);
+                (b(&file), b(&opt))
+            } else {
+                (show(ours, *v), show(ours, mine))
+            };
+            return Err(hyper_error(index, g, torch, in_file, in_opt));
+        }
+    }
+    Ok(())
+}
+
+/// A second file group `g` giving values to the optimizer's group `group` (through parameter
+/// `name`): they must be the first's (`other`).
+#[allow(clippy::too_many_arguments)]
+fn check_same_group(
+    index: usize,
+    g: &Node<'_>,
+    name: &str,
+    group: usize,
+    other: &Given,
+    lr: f64,
+    values: &[(&'static str, f64, &'static str)],
+    step: u64,
+) -> Result<()> {
+    if other.lr.to_bits() != lr.to_bits() {
+        return Err(AmpError::State(StateError::HyperParameter {
+            optimizer: index,
+            path: g.path(),
+            name: "lr".into(),
+            in_file: format!("{lr:?} here and {:?} in {}", other.lr, other.path),
+            in_optimizer: format!("one learning rate for parameter group {group} (which holds {name})"),
+            remedy: group_remedy(),
+        }));
+    }
+    if let Some(((k, v, t), (_, w, _))) =
+        values.iter().zip(&other.values).find(|((_, v, _), (_, w, _))| v.to_bits() != w.to_bits())
+    {
+        return Err(AmpError::State(StateError::HyperParameter {
+            optimizer: index,
+            path: g.path(),
+            name: (*t).into(),
+            in_file: format!("{} here and {} in {}", show(k, *v), show(k, *w), other.path),
+            in_optimizer: format!("one value for parameter group {group} (which holds {name})"),
+            remedy: group_remedy(),
+        }));
+    }
+    if other.step != step {
+        return Err(bad_value(
+            g.path(),
+            format!("step {step} here and {} in {}, for one parameter group of the optimizer", other.step, other.path),
+        ));
+    }
+    Ok(())
+}
+
 /// What to do about a value that differs between the file and the optimizer (strict) or
 /// between two file groups.
 fn group_remedy() -> &'static str {
@@ -949,8 +1067,8 @@ fn group_remedy() -> &'static str {
 }
 
 /// The error of a strict load for a value of file group `g` other than the optimizer's.
-fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimizer: String) -> E {
-    E::HyperParameter {
+fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimizer: String) -> AmpError {
+    AmpError::State(StateError::HyperParameter {
         optimizer: index,
         path: g.path(),
         name: key.to_string(),
@@ -959,7 +1077,7 @@ fn hyper_error(index: usize, g: &Node<'_>, key: &str, in_file: String, in_optimi
         remedy: "TorchLoadOptions::strict_hyper_parameters refuses values other than the optimizer's: load without \
                  it to take the file's (as torch's load_state_dict does), or build the optimizer with the file's \
                  values",
-    }
+    })
 }
 
 /// A group's settings as the writer needs them: its learning rate, hyper-parameters and step.
@@ -972,10 +1090,11 @@ struct Settings<'a> {
 /// The group dict of `class` with `s`'s values, in the class's key order.
 fn group_dict(class: &Class, s: &Settings<'_>, fused: bool) -> Result<Dict> {
     let hp = |name: &str| -> Result<f64> {
-        s.hyper
-            .get(name)
-            .copied()
-            .ok_or_else(|| E::Options { message: format!("the {} record has no hyper-parameter {name}", class.kind) })
+        s.hyper.get(name).copied().ok_or_else(|| {
+            AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!("the {} record has no hyper-parameter {name}", class.kind),
+            })
+        })
     };
     let mut g = Dict::new();
     g.insert("lr", Value::Float(s.lr));
@@ -1018,14 +1137,16 @@ pub(super) fn record_to_value(
     let layout = optimizer.param_layout();
     let rec_names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
     if rec_names != names {
-        return Err(E::Options {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
             message: format!("optimizer {index}: the record covers {rec_names:?}, the optimizer {names:?}"),
-        });
+        }));
     }
     let class = class_of(&record.kind, index)?;
     let sizes: Vec<usize> = order.iter().map(Vec::len).collect();
     check_order(order, &sizes, optimizer, index).map_err(|e| match e {
-        E::ParamOrder { reason, .. } => E::Options { message: format!("param_order of optimizer {index}: {reason}") },
+        AmpError::State(StateError::ParamOrder { reason, .. }) => AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!("param_order of optimizer {index}: {reason}"),
+        }),
         other => other,
     })?;
     let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
@@ -1044,13 +1165,13 @@ pub(super) fn record_to_value(
             .collect()
     } else {
         if record.groups.len() != own.groups.len() {
-            return Err(E::Options {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
                 message: format!(
                     "optimizer {index}: the record has {} parameter groups, the optimizer {}",
                     record.groups.len(),
                     own.groups.len()
                 ),
-            });
+            }));
         }
         record.groups.iter().map(|g| Settings { lr: g.lr, hyper: &g.hyper_parameters, step: g.step }).collect()
     };
@@ -1069,25 +1190,25 @@ pub(super) fn record_to_value(
                 Some((s, first)) if s != this => {
                     let (a, b) = (&settings[s], &settings[this]);
                     if a.lr.to_bits() != b.lr.to_bits() {
-                        return Err(E::Options {
+                        return Err(AmpError::Config(ConfigError::OptionsMismatch {
                             message: format!(
                                 "param_order of optimizer {index}: group {gi} holds parameters with learning rates \
                                  {:?} ({first}) and {:?} ({name}); torch keeps one per group",
                                 a.lr, b.lr
                             ),
-                        });
+                        }));
                     }
                     let differs =
                         param_order.iter().flat_map(|k| if *k == "betas" { vec!["beta1", "beta2"] } else { vec![*k] });
                     for k in differs {
                         let (x, y) = (a.hyper.get(k), b.hyper.get(k));
                         if x.map(|v| v.to_bits()) != y.map(|v| v.to_bits()) {
-                            return Err(E::Options {
+                            return Err(AmpError::Config(ConfigError::OptionsMismatch {
                                 message: format!(
                                     "param_order of optimizer {index}: group {gi} holds parameters with {k} {x:?} \
                                      ({first}) and {y:?} ({name}); torch keeps one value per group"
                                 ),
-                            });
+                            }));
                         }
                     }
                 }
@@ -1166,14 +1287,14 @@ fn novograd_norms(
         return Ok(None);
     }
     if with.len() != g_names.len() {
-        return Err(E::Options {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
             message: format!(
                 "optimizer {index}: torch group {gi} has FusedNovoGrad norms for {} of its {} parameters; Apex keeps \
                  them for all or none (put parameters stepped at different times into different groups)",
                 with.len(),
                 g_names.len()
             ),
-        });
+        }));
     }
     let mut parts = Vec::with_capacity(2);
     for half in [true, false] {
@@ -1197,7 +1318,7 @@ fn novograd_norms(
 /// param group (see [`super::optimizer_config`]).
 pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)> {
     let groups = node.get("param_groups")?.elements()?;
-    let g = groups.first().ok_or_else(|| E::BadValue { path: node.path(), message: "no param groups".into() })?;
+    let g = groups.first().ok_or_else(|| bad_value(node.path(), "no param groups"))?;
     let torch_2 = |k: &str| g.get_opt(k).map(|n| n.is_some());
     let class: &Class = match FileKind::of(g)? {
         // Apex's FusedSGD writes torch.optim.SGD's keys of before `maximize` (torch 1.11) only.
@@ -1211,12 +1332,11 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
         FileKind::FusedNovoGrad => &FUSED_NOVOGRAD,
         FileKind::FusedAdagrad => &FUSED_ADAGRAD,
         FileKind::AdamFamily => {
-            return Err(E::BadValue {
-                path: g.path(),
-                message: "an Adam-family group without decoupled_weight_decay (written by torch < 2.6): Adam and \
-                          AdamW cannot be told apart; build the optimizer yourself"
-                    .into(),
-            })
+            return Err(bad_value(
+                g.path(),
+                "an Adam-family group without decoupled_weight_decay (written by torch < 2.6): Adam and \
+                          AdamW cannot be told apart; build the optimizer yourself",
+            ))
         }
     };
     let (values, wide) = group_values(g, class)?;

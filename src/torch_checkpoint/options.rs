@@ -104,7 +104,7 @@ impl TorchLoadOptions {
     }
 
     /// As torch's `load_state_dict(strict=...)` (default true): a variable missing from the
-    /// state dict or an entry no variable takes is [`super::TorchCheckpointError::KeysMismatch`].
+    /// state dict or an entry no variable takes is [`StateError::IncompatibleKeys`](crate::error::StateError::IncompatibleKeys).
     /// With `false` the names both have are loaded and the others listed in the report.
     pub fn strict(mut self, strict: bool) -> Self {
         self.strict = strict;

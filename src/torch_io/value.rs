@@ -5,6 +5,7 @@ use indexmap::IndexMap;
 use tch::Tensor;
 
 use super::error::{Result, TorchIoError};
+use super::walk::{Edge, Step, Walk};
 
 /// A Python value as `torch.save` stores it.
 ///
@@ -13,7 +14,12 @@ use super::error::{Result, TorchIoError};
 /// [`Dict::is_ordered`] telling which). A `torch.Tensor` or `nn.Parameter` becomes a
 /// [`Value::Tensor`] holding a tch tensor with the saved dtype, shape, strides and storage
 /// offset; tensors that viewed one storage in Python view one storage in tch too.
-#[derive(Debug)]
+///
+/// A tree may be of any depth: dropping it, `Debug` and [`Value::shallow_clone`] walk it on
+/// the heap, not on the thread's stack. Reading and writing refuse a tree more than 256
+/// levels deep ([`TorchIoError::TooDeep`]). Because `Value` implements `Drop`, a payload is
+/// taken out of it through a reference (`std::mem::take(d)` on `Value::Dict(d)`), not by
+/// moving it out in a pattern.
 #[non_exhaustive]
 pub enum Value {
     /// `None`.
@@ -164,7 +170,7 @@ impl From<i32> for Key {
 /// attaches `_metadata` (each submodule's `version`, which `load_state_dict` passes to
 /// `_load_from_state_dict`, e.g. BatchNorm's). They are kept, readable with
 /// [`Dict::attribute`], and written back.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Dict {
     ordered: bool,
     entries: IndexMap<Key, Value>,
@@ -273,6 +279,78 @@ impl Dict {
     /// Removes an attribute.
     pub fn remove_attribute(&mut self, name: &str) -> Option<Value> {
         self.attributes.shift_remove(name)
+    }
+
+    pub(crate) fn entry_map(&self) -> &IndexMap<Key, Value> {
+        &self.entries
+    }
+
+    pub(crate) fn attribute_map(&self) -> &IndexMap<String, Value> {
+        &self.attributes
+    }
+}
+
+impl fmt::Debug for Dict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        super::debug::dict(self, f)
+    }
+}
+
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        super::debug::value(self, f)
+    }
+}
+
+/// The children of a container, moved out of it.
+type Children = Box<dyn Iterator<Item = Value>>;
+
+impl Value {
+    /// Whether this is a container holding anything.
+    fn has_children(&self) -> bool {
+        match self {
+            Value::List(v) | Value::Tuple(v) => !v.is_empty(),
+            Value::Dict(d) => !d.entries.is_empty() || !d.attributes.is_empty(),
+            _ => false,
+        }
+    }
+
+    /// Moves the children out when one of them has children of its own (dropping it in place
+    /// would recurse); `None` leaves the children to drop glue, which then does not recurse.
+    fn take_nested(&mut self) -> Option<Children> {
+        match self {
+            Value::List(v) | Value::Tuple(v) if v.iter().any(Value::has_children) => {
+                Some(Box::new(std::mem::take(v).into_iter()))
+            }
+            Value::Dict(d) if d.entries.values().chain(d.attributes.values()).any(Value::has_children) => {
+                let entries = std::mem::take(&mut d.entries).into_values();
+                Some(Box::new(entries.chain(std::mem::take(&mut d.attributes).into_values())))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Drops a tree of any depth on a heap stack of child iterators: each node is emptied of its
+/// children before it is dropped, so drop glue never nests.
+impl Drop for Value {
+    fn drop(&mut self) {
+        let Some(children) = self.take_nested() else { return };
+        let mut stack = vec![children];
+        while let Some(top) = stack.last_mut() {
+            let Some(mut child) = top.next() else {
+                stack.pop();
+                continue;
+            };
+            if top.size_hint().1 == Some(0) {
+                // Exhausted: off the stack before the child's children go on it (a chain
+                // keeps one iterator, not one per level).
+                stack.pop();
+            }
+            if let Some(grandchildren) = child.take_nested() {
+                stack.push(grandchildren);
+            }
+        }
     }
 }
 
@@ -421,23 +499,52 @@ impl Value {
 
     /// A copy of the tree; tensors are shallow copies (they share storage with the original).
     pub fn shallow_clone(&self) -> Value {
-        match self {
-            Value::None => Value::None,
-            Value::Bool(b) => Value::Bool(*b),
-            Value::Int(i) => Value::Int(*i),
-            Value::BigInt(b) => Value::BigInt(b.clone()),
-            Value::Float(f) => Value::Float(*f),
-            Value::Str(s) => Value::Str(s.clone()),
-            Value::Bytes(b) => Value::Bytes(b.clone()),
-            Value::List(v) => Value::List(v.iter().map(Value::shallow_clone).collect()),
-            Value::Tuple(v) => Value::Tuple(v.iter().map(Value::shallow_clone).collect()),
-            Value::Dict(d) => Value::Dict(Dict {
-                ordered: d.ordered,
-                entries: d.entries.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(),
-                attributes: d.attributes.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(),
-            }),
-            Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
+        // Copies of the open containers, innermost last, each with how it hangs from its own.
+        let mut open: Vec<(Value, Option<Edge<'_>>)> = Vec::new();
+        for step in Walk::new(self) {
+            let (copy, edge) = match step {
+                Step::Enter(v, edge) => {
+                    let copy = match v {
+                        Value::None => Value::None,
+                        Value::Bool(b) => Value::Bool(*b),
+                        Value::Int(i) => Value::Int(*i),
+                        Value::BigInt(b) => Value::BigInt(b.clone()),
+                        Value::Float(f) => Value::Float(*f),
+                        Value::Str(s) => Value::Str(s.clone()),
+                        Value::Bytes(b) => Value::Bytes(b.clone()),
+                        Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
+                        Value::List(v) => Value::List(Vec::with_capacity(v.len())),
+                        Value::Tuple(v) => Value::Tuple(Vec::with_capacity(v.len())),
+                        Value::Dict(d) => Value::Dict(Dict {
+                            ordered: d.ordered,
+                            entries: IndexMap::with_capacity(d.entries.len()),
+                            attributes: IndexMap::with_capacity(d.attributes.len()),
+                        }),
+                    };
+                    if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
+                        open.push((copy, edge));
+                        continue;
+                    }
+                    (copy, edge)
+                }
+                Step::Leave(Value::List(_) | Value::Tuple(_) | Value::Dict(_)) => {
+                    open.pop().expect("a container left was entered")
+                }
+                Step::Leave(_) => continue,
+            };
+            match (open.last_mut(), edge) {
+                (None, _) => return copy,
+                (Some((Value::List(items) | Value::Tuple(items), _)), _) => items.push(copy),
+                (Some((Value::Dict(d), _)), Some(Edge::Key(_, k))) => {
+                    d.entries.insert(k.clone(), copy);
+                }
+                (Some((Value::Dict(d), _)), Some(Edge::Attr(_, name))) => {
+                    d.attributes.insert(name.to_string(), copy);
+                }
+                _ => unreachable!("a container's children hang from it by index, key or attribute"),
+            }
         }
+        unreachable!("a walk ends by leaving the root")
     }
 }
 

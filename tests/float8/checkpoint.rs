@@ -5,7 +5,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 use tch_amp::checkpoint::{read_training_state, save_checkpoint_with, TrainingState};
 use tch_amp::error::StateError;
-use tch_amp::torch_io::{Dict, Key, Value};
+use tch_amp::torch_io::{Dict, Value};
 use tch_amp::{Amp, AmpConfig, AmpError, OptLevel};
 
 use super::models::{fixture, training, Model};
@@ -116,18 +116,12 @@ fn bad_delayed_state_is_refused_and_changes_nothing() {
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "grad_output", "scale", f(0.0)))));
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "grad_output", "scale", f(f32::INFINITY)))));
     assert!(is_mismatch(fp8.load_state_dict(&edit("fc2", "input", "scale", Tensor::from(2.0f64)))));
-    let mut extra = match edit("", "", "", f(1.0)) {
-        Value::Dict(d) => d,
-        _ => unreachable!(),
-    };
-    extra.insert("fc9", Value::Dict(Dict::new()));
-    assert!(is_mismatch(fp8.load_state_dict(&Value::Dict(extra))));
-    let mut missing = match edit("", "", "", f(1.0)) {
-        Value::Dict(d) => d,
-        _ => unreachable!(),
-    };
-    missing.remove(&Key::from("fc2"));
-    assert!(is_mismatch(fp8.load_state_dict(&Value::Dict(missing))));
+    let mut extra = edit("", "", "", f(1.0));
+    extra.insert("fc9", Value::Dict(Dict::new())).unwrap();
+    assert!(is_mismatch(fp8.load_state_dict(&extra)));
+    let mut missing = edit("", "", "", f(1.0));
+    missing.remove("fc2").unwrap().unwrap();
+    assert!(is_mismatch(fp8.load_state_dict(&missing)));
     assert!(is_mismatch(fp8.load_state_dict(&Value::Int(3))));
     assert!(state_tensor(&fp8, "fc1", "input", "scale").equal(&before), "a refused load changed the state");
     fp8.load_state_dict(&good).unwrap();

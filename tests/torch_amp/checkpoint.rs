@@ -6,7 +6,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_amp::error::{StateError, UsageError};
 use tch_amp::torch_amp::GradScalerOptions;
-use tch_amp::torch_checkpoint::{TorchCheckpointError, TorchLoadOptions, TorchSaveOptions};
+use tch_amp::torch_checkpoint::{TorchLoadOptions, TorchSaveOptions};
 use tch_amp::torch_io::{self, Value};
 use tch_amp::{Amp, AmpConfig, AmpError, AmpOptimizer, GradScaler, OptLevel};
 
@@ -132,7 +132,7 @@ fn load_options_follow_the_scalers_given() {
     let e = tch_amp::load_torch_checkpoint(&none, &b.vs, &mut [&mut b.opt], &mut b.scaler, &TorchLoadOptions::new())
         .unwrap_err();
     println!("{e}");
-    assert!(matches!(&e, TorchCheckpointError::MissingEntry { key, .. } if key == "scaler"), "{e:?}");
+    assert!(matches!(&e, AmpError::State(StateError::MissingEntry { key, .. }) if key == "scaler"), "{e:?}");
     assert!(e.to_string().contains("amp_key(None, false)"), "{e}");
     assert_eq!(b.scaler.get_scale(), before);
     tch_amp::load_torch_checkpoint(
@@ -149,7 +149,7 @@ fn load_options_follow_the_scalers_given() {
     tch_amp::save_torch_checkpoint(&apex, &a.vs, &[&a.opt], &amp, &TorchSaveOptions::new()).unwrap();
     let e = tch_amp::load_torch_checkpoint(&apex, &b.vs, &mut [&mut b.opt], &mut b.scaler, &TorchLoadOptions::new())
         .unwrap_err();
-    assert!(matches!(&e, TorchCheckpointError::MissingEntry { key, .. } if key == "scaler"), "{e:?}");
+    assert!(matches!(&e, AmpError::State(StateError::MissingEntry { key, .. }) if key == "scaler"), "{e:?}");
     // tch-amp's own checkpoint refuses the other kind of scalers, naming what to pass.
     let atomic = dir.path().join("apex.safetensors");
     tch_amp::save_checkpoint(&atomic, &a.vs, &[&a.opt], &amp).unwrap();

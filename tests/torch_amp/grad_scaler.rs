@@ -259,7 +259,8 @@ fn bad_state_dicts_are_refused_and_change_nothing() {
     }
     s.load_state_dict(&Value::Dict(good_state())).unwrap();
     assert_eq!((s.get_scale(), s.growth_tracker(), s.get_growth_interval()), (8.0, 4, 10));
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     let keys: Vec<String> = d.keys().map(|k| k.to_string()).collect();
     assert_eq!(
         keys,
@@ -283,7 +284,8 @@ fn a_disabled_scaler_passes_everything_through() {
     s.update().unwrap();
     s.update_to(0.0).unwrap();
     assert_eq!(s.get_scale(), 1.0);
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     assert!(d.is_empty());
     s.load_state_dict(&Value::Int(0)).unwrap();
     // A CUDA scaler without CUDA disables itself, as torch's.
