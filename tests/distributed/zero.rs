@@ -385,3 +385,65 @@ fn killed_peer_during_sharded_step() {
         side.peers.clear();
     });
 }
+
+/// Bytes per parameter on each rank at O2 with Adam, between `scale_loss` and `step` of the
+/// second step (the state exists, the master gradients are alive), for a model whose
+/// parameters the partition splits evenly (four 32x32 linears: each rank of 2 or 4 owns
+/// `1 / world` of the elements). Every rank holds the fp16 model (2 B per parameter) and, for
+/// its shard only, the fp32 master (4), its gradient (4) and Adam's two moments (8): `2 + 16 /
+/// world`, against 18 unsharded. Counted by `AmpOptimizer::memory`, asserted from first
+/// principles.
+fn memory_per_rank(side: &mut Side) {
+    let pg = side.group();
+    let world = pg.world_size();
+    let vs = VarStore::new(Device::Cpu);
+    tch::manual_seed(1);
+    let p = vs.root();
+    let mut seq = nn::seq_t();
+    for i in 0..4 {
+        seq = seq.add(nn::linear(&p / i, 32, 32, Default::default())).add_fn(|x| x.tanh());
+    }
+    let mut amp = Amp::new(&config(OptLevel::O2)).unwrap();
+    let model = amp.cast_model(&vs, seq).unwrap();
+    let mut opt = amp.sharded_optimizer(&pg, &vs, adam(), LR, &[]).unwrap();
+    let ddp = DistributedDataParallel::new(&pg, &vs, model, &mut [&mut opt], DdpOptions::default()).unwrap();
+    let total = 4 * (32 * 32 + 32);
+    let owned: Vec<usize> = {
+        let names = opt.param_names();
+        let sizes: std::collections::BTreeMap<String, usize> =
+            vs.variables().into_iter().map(|(n, t)| (n, t.numel())).collect();
+        let mut per_rank = vec![0; world];
+        for (n, r) in names.iter().zip(opt.param_ranks()) {
+            per_rank[r] += sizes[*n];
+        }
+        per_rank
+    };
+    assert_eq!(owned, vec![total / world; world], "an even partition");
+    let mut at_step = 0.0;
+    for step in 0..2 {
+        let (x, _) = batch(step, pg.rank(), world);
+        let x = x.repeat([1, 4]);
+        opt.zero_grad().unwrap();
+        let loss = ddp.forward_t(&x, true).square().mean(Kind::Float);
+        amp.scale_loss(&loss, &mut [&mut opt], |s| s.backward()).unwrap();
+        at_step = opt.memory().bytes_per_param();
+        assert!(opt.step().unwrap().stepped());
+    }
+    let m = opt.memory();
+    assert_eq!(m.params, total);
+    let expected = 2.0 + 16.0 / world as f64;
+    assert_eq!(at_step, expected, "rank {} of {world}: bytes per parameter at the step", pg.rank());
+    assert_eq!(m.bytes_per_param(), 2.0 + 12.0 / world as f64, "after the step (gradients released)");
+    assert_eq!((m.masters + m.optimizer_state) as f64 / total as f64, 12.0 / world as f64);
+    assert_same_on_all_ranks(&pg, &Tensor::from_slice(&[at_step]), "bytes per parameter");
+}
+
+#[test]
+fn memory_per_rank_two_ranks() {
+    two_ranks(concat!(module_path!(), "::memory_per_rank_two_ranks"), memory_per_rank);
+}
+
+#[test]
+fn memory_per_rank_four_ranks() {
+    ranks(4, concat!(module_path!(), "::memory_per_rank_four_ranks"), memory_per_rank);
+}

@@ -785,11 +785,12 @@ impl AmpOptimizer {
     /// group in turn, its variables in creation order with each module's weight before its bias)
     /// so that the total is torch's to the bit; parameters without a gradient are ignored (0 when
     /// none has one); a non-finite norm is returned and the gradients are left unscaled. One host
-    /// sync (reading the norm).
+    /// sync (reading the norm). A sharded optimizer clips its shard by the norm over every rank's
+    /// gradients (bit for bit the unsharded norm): every rank calls it together.
     ///
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
-    /// not positive.
+    /// not positive; [`AmpError::Distributed`] when a sharded optimizer's collective fails.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
         crate::optim::grads::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
