@@ -17,7 +17,8 @@ use crate::optim::{
     build_entries, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
     UpdateRule,
 };
-use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::scaling::{self, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::torch_io::{Node, Value};
 use crate::AutocastScope;
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
@@ -191,17 +192,12 @@ impl Amp {
         Ok(self.scaler(loss_id)?.loss_scale())
     }
 
-    /// The scalers' state in Apex's form (`amp.state_dict()`):
-    /// `{"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}, ...}`. Growth interval and
+    /// The scalers' state in Apex's form (`amp.state_dict()`), the value `torch.save` writes:
+    /// `{'loss_scaler0': {'loss_scale': 65536.0, 'unskipped': 0}, ...}`. Growth interval and
     /// factors are not part of it (Apex fixes them at 2000, 2 and 0.5); after loading a
     /// `GradScaler` state with other values, keep that dict (or set them again) to restore them.
-    pub fn state_dict(&self) -> AmpState {
-        scaling::state_dict(&self.scalers)
-    }
-
-    /// [`Self::state_dict`] as JSON text.
-    pub fn state_dict_json(&self) -> String {
-        serde_json::to_string_pretty(&self.state_dict()).unwrap_or_default()
+    pub fn state_dict(&self) -> Value {
+        scaling::state_value(&self.scalers)
     }
 
     /// Restores the scalers from Apex's form (one `loss_scalerN` entry per loss, each with
@@ -212,15 +208,20 @@ impl Amp {
     /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) for an unknown key, a
     /// missing scaler, a count that differs from `num_losses`, or a non-positive / non-finite
     /// scale. Nothing is applied then (Apex applies the valid entries and raises afterwards).
-    pub fn load_state_dict(&mut self, state: &serde_json::Value) -> Result<()> {
-        let parsed = scaling::parse_state(&self.scalers, state)?;
+    pub fn load_state_dict(&mut self, state: &Value) -> Result<()> {
+        let parsed = scaling::parse_state(&self.scalers, &state.node())?;
         scaling::apply_state(&mut self.scalers, parsed);
         Ok(())
     }
 
     /// Checks a state against this `Amp` without applying it (checkpoint loading).
-    pub(crate) fn check_state_dict(&self, state: &serde_json::Value) -> Result<scaling::ParsedState> {
+    pub(crate) fn check_state_dict(&self, state: &Node<'_>) -> Result<scaling::ParsedState> {
         scaling::parse_state(&self.scalers, state)
+    }
+
+    /// tch-amp's own checkpoint format's record of the scalers.
+    pub(crate) fn amp_state(&self) -> scaling::AmpState {
+        scaling::amp_state(&self.scalers)
     }
 
     /// Applies a state checked by [`Self::check_state_dict`].

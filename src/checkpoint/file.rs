@@ -13,7 +13,7 @@ use crate::config::OptLevel;
 use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
-use crate::scaling::{AmpState, CheckpointScalers};
+use crate::scaling::{self, AmpState, CheckpointScalers};
 use crate::torch_io::{Dict, Key, Value};
 
 const FORMAT: &str = "tch-amp-checkpoint/5";
@@ -345,7 +345,7 @@ pub(crate) fn save_records<S: CheckpointScalers + ?Sized>(
     let meta = Metadata {
         format: FORMAT.to_string(),
         opt_level: amp.map(|a| a.properties().opt_level()),
-        amp: amp.map(Amp::state_dict),
+        amp: amp.map(Amp::amp_state),
         optimizers,
         extra: extra.value.clone(),
     };
@@ -474,8 +474,7 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
                      load_optimizer_state load its parts into another opt level"
                 )));
             }
-            let amp_json = serde_json::to_value(state).map_err(|e| mismatch(format!("amp state: {e}")))?;
-            ScalerChecked::Amp(amp.check_state_dict(&amp_json)?)
+            ScalerChecked::Amp(amp.check_state_dict(&scaling::amp_state_value(state).node())?)
         }
         (Some(amp), None, _) => {
             return Err(mismatch(format!(

@@ -689,6 +689,10 @@ fn in_group(kind: &str, buf: &str) -> bool {
     kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS
 }
 
+/// What [`Reading::read_groups`] gives: per optimizer group, the values the file gives it; the
+/// first group's learning rate; the group keys left unread.
+type GroupsRead = (BTreeMap<usize, Given>, Option<f64>, Vec<String>);
+
 impl<'a, 'n> Reading<'a, 'n> {
     /// Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
     /// to the optimizer's groups their parameters are in; the first group's learning rate; the
@@ -699,7 +703,7 @@ impl<'a, 'n> Reading<'a, 'n> {
         order: &TorchParamOrder,
         current: &OptimizerRecord,
         strict_hyper: bool,
-    ) -> Result<(BTreeMap<usize, Given>, Option<f64>, Vec<String>)> {
+    ) -> Result<GroupsRead> {
         let (index, class) = (self.index, self.class);
         let mut given: BTreeMap<usize, Given> = BTreeMap::new();
         let mut first_lr = None;

@@ -218,11 +218,11 @@ impl Printer<'_, '_> {
     }
 }
 
-pub(crate) fn value(v: &Value, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+fn value(v: &Value, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     Printer::new(f).value(v)
 }
 
-pub(crate) fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     let mut p = Printer::new(f);
     p.open_dict(d)?;
     for (i, (k, v)) in d.iter().enumerate() {
@@ -345,5 +345,17 @@ mod tests {
         let v = Value::List(vec![Value::Float(0.5), Value::Int(3)]);
         let m = mirror(&v);
         assert_eq!(format!("{v:5.2?}"), format!("{m:5.2?}"));
+    }
+}
+
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        value(self, f)
+    }
+}
+
+impl fmt::Debug for Dict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        dict(self, f)
     }
 }
