@@ -144,7 +144,7 @@ impl AmpOptimizer {
             return Ok(());
         }
         for (i, (e, stash)) in self.entries.iter().zip(self.stash.iter_mut()).enumerate() {
-            let owned = self.shard.as_ref().is_none_or(|s| s.owns(i));
+            let owned = self.shard.as_ref().map_or(true, |s| s.owns(i));
             match e.master() {
                 // Master grads keep accumulating; the fp16 grads must start empty (and so must
                 // those of another rank's parameters, which are dropped at the exit).

@@ -45,7 +45,7 @@ pub(crate) struct Shard {
 /// ranks' totals over the groups. Returns the `(entry, rank)` pairs in assignment order.
 pub(crate) fn partition(sizes: &mut [usize], group: &[(usize, usize)]) -> Vec<(usize, usize)> {
     let mut sorted = group.to_vec();
-    sorted.sort_by(|a, b| b.1.cmp(&a.1));
+    sorted.sort_by_key(|&(_, numel)| std::cmp::Reverse(numel));
     sorted
         .into_iter()
         .map(|(entry, numel)| {
@@ -95,7 +95,7 @@ impl Shard {
 impl AmpOptimizer {
     /// Whether this rank updates entry `i` (always, unsharded).
     pub(super) fn owns(&self, i: usize) -> bool {
-        self.shard.as_ref().is_none_or(|s| s.owns(i))
+        self.shard.as_ref().map_or(true, |s| s.owns(i))
     }
 
     /// Whether the optimizer is sharded over a process group.
