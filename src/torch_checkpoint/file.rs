@@ -62,7 +62,7 @@ pub fn load_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
-    let load = LoadOptions::new().map_location(options.map_location.unwrap_or(vs.device()));
+    let load = LoadOptions::new().map_location(options.map_location.unwrap_or(vs.device())).limits(options.limits);
     let value = torch_io::load_with(path, &load)?;
     load_torch_checkpoint_value(value, vs, optimizers, scalers, options)
 }
