@@ -23,7 +23,7 @@ mod records;
 
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
-pub(crate) use records::ParamLayout;
+pub(crate) use records::{CheckedRecord, ParamLayout};
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
