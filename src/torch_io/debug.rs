@@ -241,6 +241,18 @@ fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     p.close_dict(d)
 }
 
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        value(self, f)
+    }
+}
+
+impl fmt::Debug for Dict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        dict(self, f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use tch::{Device, Kind, Tensor};
@@ -345,17 +357,5 @@ mod tests {
         let v = Value::List(vec![Value::Float(0.5), Value::Int(3)]);
         let m = mirror(&v);
         assert_eq!(format!("{v:5.2?}"), format!("{m:5.2?}"));
-    }
-}
-
-impl fmt::Debug for Value {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        value(self, f)
-    }
-}
-
-impl fmt::Debug for Dict {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        dict(self, f)
     }
 }

@@ -24,7 +24,7 @@ mod shard;
 
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
-pub(crate) use records::ParamLayout;
+pub(crate) use records::{CheckedRecord, ParamLayout};
 pub(crate) use shard::Collectives;
 
 /// What [`AmpOptimizer::step`] did.
