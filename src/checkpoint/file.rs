@@ -14,7 +14,7 @@ use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
 use crate::scaling::{self, AmpState, CheckpointScalers};
-use crate::torch_io::{Dict, Key, Value};
+use crate::torch_io::{Dict, Key, Value, MAX_DEPTH};
 
 const FORMAT: &str = "tch-amp-checkpoint/5";
 /// The format before checkpoints without an `Amp` (torch.amp's GradScalers, or none): an opt
@@ -68,7 +68,7 @@ impl TrainingState {
     /// string or holds `/`, or a name already taken.
     pub fn insert_tree(&mut self, prefix: &str, tree: &Value) -> Result<()> {
         let mut flat = Vec::new();
-        flatten(prefix, tree, &mut flat)?;
+        flatten(prefix, tree, 0, &mut flat)?;
         if let Some((name, _)) = flat.iter().find(|(n, _)| self.tensors.contains_key(n)) {
             return Err(mismatch(format!("training state: {name} is taken")));
         }
@@ -84,16 +84,21 @@ impl TrainingState {
             .iter()
             .filter_map(|(name, t)| name.strip_prefix(&start).map(|rest| (rest.split('/').collect(), t)))
             .collect();
-        unflatten(items)
+        unflatten(items, 0)
     }
 }
 
-/// The dict tree of `(key path, tensor)` pairs (sorted by path).
-fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
+/// The dict tree of `(key path, tensor)` pairs (sorted by path), `depth` levels below the
+/// root. Below [`MAX_DEPTH`] levels (a name from a crafted file), the rest of a path is one
+/// key: the recursion is bounded.
+fn unflatten(items: Vec<(Vec<&str>, &Tensor)>, depth: usize) -> Value {
     let mut groups: BTreeMap<&str, Vec<(Vec<&str>, &Tensor)>> = BTreeMap::new();
     let mut leaves = Dict::new();
     for (path, t) in items {
         match path.split_first() {
+            Some((_, rest)) if !rest.is_empty() && depth >= MAX_DEPTH => {
+                leaves.insert(path.join("/"), Value::Tensor(t.shallow_clone()));
+            }
             Some((key, [])) => {
                 leaves.insert(*key, Value::Tensor(t.shallow_clone()));
             }
@@ -102,12 +107,17 @@ fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
         }
     }
     for (key, children) in groups {
-        leaves.insert(key, unflatten(children));
+        leaves.insert(key, unflatten(children, depth + 1));
     }
     Value::Dict(leaves)
 }
 
-fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+/// `value`'s tensors named by their key paths under `prefix`, `depth` levels below the tree's
+/// root; a tree deeper than [`MAX_DEPTH`] is refused (the recursion is bounded).
+fn flatten(prefix: &str, value: &Value, depth: usize, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(mismatch(format!("training state: {prefix}: nested deeper than {MAX_DEPTH} levels")));
+    }
     match value {
         Value::Tensor(t) => out.push((prefix.to_string(), t.shallow_clone())),
         Value::Dict(d) => {
@@ -118,7 +128,7 @@ fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Resu
                 if k.contains('/') || k.is_empty() {
                     return Err(mismatch(format!("training state: {prefix}: key {k:?} is empty or holds '/'")));
                 }
-                flatten(&format!("{prefix}/{k}"), v, out)?;
+                flatten(&format!("{prefix}/{k}"), v, depth + 1, out)?;
             }
         }
         other => {

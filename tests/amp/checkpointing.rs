@@ -355,3 +355,32 @@ fn poisoned_optimizer_state_is_refused() {
     // The record as saved loads.
     a.opt.load_record(a.opt.to_record()).unwrap();
 }
+
+/// A training-state tree of any depth is refused with a typed error instead of overflowing the
+/// stack, and tensor names deeper than the tree limit read back as one key at that depth.
+#[test]
+fn training_state_trees_are_bounded() {
+    use tch_amp::checkpoint::TrainingState;
+    use tch_amp::torch_io::{Dict, Value};
+    let leaf = Tensor::from_slice(&[1.0f32]);
+    let mut deep = Value::Tensor(leaf.copy());
+    for _ in 0..100_000 {
+        deep = Value::Dict(Dict::new().with("k", deep));
+    }
+    let mut state = TrainingState::default();
+    let err = state.insert_tree("deep", &deep).unwrap_err();
+    assert!(matches!(err, AmpError::State(StateError::StateMismatch { .. })), "{err}");
+    assert!(state.tensors.is_empty());
+    // 300 levels by name: the tree goes 256 dicts deep, the rest of the path is the last key.
+    let name = format!("p/{}", vec!["k"; 300].join("/"));
+    state.tensors.insert(name, leaf.copy());
+    let tree = state.tree("p");
+    let mut node = &tree;
+    for _ in 0..256 {
+        let Value::Dict(d) = node else { panic!("a dict expected") };
+        assert_eq!(d.len(), 1);
+        node = d.get_str("k").unwrap();
+    }
+    let Value::Dict(d) = node else { panic!("a dict expected") };
+    assert!(matches!(d.get_str(&vec!["k"; 44].join("/")), Some(Value::Tensor(t)) if t.equal(&leaf)));
+}
