@@ -77,7 +77,10 @@ fn share(s: Option<&TensorStats>, f: fn(&TensorStats) -> f64) -> String {
 }
 
 fn print_report(r: &DoctorReport) {
-    println!("\n== {} (loss scale {}; loss fp32 {:.5}, target {:.5})", r.target, r.loss_scale, r.loss.fp32, r.loss.target);
+    println!(
+        "\n== {} (loss scale {}; loss fp32 {:.5}, target {:.5})",
+        r.target, r.loss_scale, r.loss.fp32, r.loss.target
+    );
     println!(
         "{:<22} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}  severity",
         "module", "ops", "max|x|", "min|g|", "x over", "x under", "g under", "rel.err"
@@ -153,12 +156,16 @@ fn plot(path: &Path, reports: &[DoctorReport]) -> Result<()> {
             if let Some(g) = rep.backward.as_ref().or(rep.weight_grads.as_ref()) {
                 let lo = log2(g.min_nonzero_abs.unwrap_or(g.max_abs));
                 let xg = x0 + width * 0.7;
-                chart.draw_series([Rectangle::new([(xg, lo), (xg + width * 0.2, log2(g.max_abs))], c.mix(0.6).filled())])?;
+                chart.draw_series([Rectangle::new(
+                    [(xg, lo), (xg + width * 0.2, log2(g.max_abs))],
+                    c.mix(0.6).filled(),
+                )])?;
             }
         }
-        chart.draw_series([Circle::new((-1.0, 0.0), 0, c.filled())])?.label(r.target.clone()).legend(move |(x, y)| {
-            Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled())
-        });
+        chart
+            .draw_series([Circle::new((-1.0, 0.0), 0, c.filled())])?
+            .label(r.target.clone())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     let mut err = ChartBuilder::on(&bottom)

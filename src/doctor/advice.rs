@@ -3,11 +3,10 @@
 //! window), and the window of loss scales this batch's gradients allow.
 use std::collections::BTreeMap;
 
-use serde::Serialize;
 use tch::{Device, Kind};
 
 use super::record::{OpRecord, INPUT_MODULE};
-use super::report::{display_module, ModuleReport, Phase, ScaleWindow};
+use super::report::{display_module, Advice, Finding, FindingKind, ModuleReport, Phase, ScaleWindow, Severity};
 use super::stats::{Acc, HIST_MIN};
 use crate::config::OptLevel;
 use crate::dtype::DtypeRange;
@@ -18,68 +17,6 @@ pub const UNDERFLOW_SHARE: f64 = 0.01;
 /// An op loses precision when its forward relative error exceeds this many unit roundoffs of
 /// the 16-bit dtype (fp16: 2^-5, bf16: 2^-2) and four times every earlier op's.
 pub const PRECISION_ROUNDOFFS: f64 = 64.0;
-
-/// How bad a finding is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Severity {
-    /// Worth knowing; training is fine.
-    Info,
-    /// Training goes on but learns less well (lost gradients, lost precision).
-    Warning,
-    /// Steps are skipped, the scale collapses, or inf/NaN reach the weights.
-    Error,
-}
-
-/// What a finding is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FindingKind {
-    /// Forward values exceed the 16-bit dtype's range (or turn inf/NaN).
-    ActivationOverflow,
-    /// Non-zero forward values become zero in the 16-bit dtype.
-    ActivationUnderflow,
-    /// Gradients at the loss scale exceed the 16-bit dtype's range.
-    GradientOverflow,
-    /// Non-zero gradients at the loss scale become zero in the 16-bit dtype.
-    GradientUnderflow,
-    /// An op's result is far from the fp32 run's although its values are in range.
-    PrecisionLoss,
-    /// Why a dynamic loss scale falls to its floor, or settles where gradients vanish.
-    ScaleCollapse,
-    /// The fp32 run itself produces inf/NaN: not a mixed-precision problem.
-    Fp32NonFinite,
-}
-
-/// One thing to do, and the call that does it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Advice {
-    /// What to do, in words.
-    pub action: String,
-    /// The Rust to write (`<...>` marks the user's names).
-    pub code: String,
-}
-
-/// A problem (or a fact) the numbers show, with its evidence and what to do.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Finding {
-    /// How bad it is.
-    pub severity: Severity,
-    /// What it is about.
-    pub kind: FindingKind,
-    /// The module (VarStore path prefix), when it is about one.
-    pub module: Option<String>,
-    /// The op, when it is about one.
-    pub op: Option<String>,
-    /// Forward or backward, when it is about one.
-    pub phase: Option<Phase>,
-    /// One sentence.
-    pub message: String,
-    /// The numbers behind it.
-    pub evidence: String,
-    /// What to do, best first.
-    pub advice: Vec<Advice>,
-}
 
 /// The set-up diagnosed, as the advice needs it.
 #[derive(Debug, Clone, Copy)]
@@ -124,11 +61,11 @@ impl Context {
             return None;
         }
         let code = match self.path {
-            Path::Apex(OptLevel::O1) => {
-                "AmpConfig::new(OptLevel::O1).low_precision_dtype(Kind::BFloat16)".to_string()
-            }
+            Path::Apex(OptLevel::O1) => "AmpConfig::new(OptLevel::O1).low_precision_dtype(Kind::BFloat16)".to_string(),
             Path::Apex(level) => format!("AmpConfig::new(OptLevel::{level}).cast_model_type(Some(Kind::BFloat16))"),
-            Path::Autocast => format!("Autocast::new({}).dtype(Kind::BFloat16) // and no GradScaler", self.device_expr()),
+            Path::Autocast => {
+                format!("Autocast::new({}).dtype(Kind::BFloat16) // and no GradScaler", self.device_expr())
+            }
         };
         Some(Advice { action: format!("switch to bf16: {why}"), code })
     }
@@ -288,7 +225,9 @@ pub(crate) fn diagnose(
     let low = ctx.range.dtype;
 
     // The fp32 run's own inf/NaN: nothing mixed precision can fix.
-    if let Some(o) = ops.iter().find(|o| o.forward.as_ref().is_some_and(|a| a.stats().fp32.is_some_and(|c| c.non_finite > 0))) {
+    if let Some(o) =
+        ops.iter().find(|o| o.forward.as_ref().is_some_and(|a| a.stats().fp32.is_some_and(|c| c.non_finite > 0)))
+    {
         findings.push(Finding {
             severity: Severity::Error,
             kind: FindingKind::Fp32NonFinite,
@@ -340,10 +279,7 @@ pub(crate) fn diagnose(
             ),
             evidence: format!(
                 "fp32 max |x| {ref_max:.4e} vs {low} max {}; {} of {} values overflow; the {low} run holds {} inf/NaN",
-                ctx.range.max,
-                predicted,
-                s.numel,
-                s.non_finite
+                ctx.range.max, predicted, s.numel, s.non_finite
             ),
             advice,
         });
@@ -461,7 +397,10 @@ pub(crate) fn diagnose(
                 .iter()
                 .filter(|(name, m)| {
                     let w = weight_grads.get(**name);
-                    m.backward.iter().chain(w).any(|a| a.stats().fp32.is_some_and(|c| c.overflow > 0) || a.non_finite() > 0)
+                    m.backward
+                        .iter()
+                        .chain(w)
+                        .any(|a| a.stats().fp32.is_some_and(|c| c.overflow > 0) || a.non_finite() > 0)
                 })
                 .map(|(n, _)| *n)
                 .collect();
@@ -584,7 +523,7 @@ pub(crate) fn diagnose(
         }
     }
 
-    findings.sort_by(|a, b| b.severity.cmp(&a.severity));
+    findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     let mut reports: Vec<(usize, ModuleReport)> = modules
         .into_iter()
         .map(|(name, m)| {

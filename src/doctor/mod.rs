@@ -21,9 +21,10 @@ mod stats;
 pub(crate) mod watch;
 
 pub use crate::dtype::DtypeRange;
-pub use advice::{Advice, Finding, FindingKind, Severity, PRECISION_ROUNDOFFS, UNDERFLOW_SHARE};
+pub use advice::{PRECISION_ROUNDOFFS, UNDERFLOW_SHARE};
 pub use report::{
-    DoctorReport, Fp32Comparison, Losses, ModuleReport, NonFiniteOrigin, OpReport, Phase, ScaleWindow, TensorStats,
+    Advice, DoctorReport, Finding, FindingKind, Fp32Comparison, Losses, ModuleReport, NonFiniteOrigin, OpReport, Phase,
+    ScaleWindow, Severity, TensorStats,
 };
 pub use run::{Doctor, Pass, Target};
 pub use watch::{watch, Watch};

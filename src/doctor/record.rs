@@ -6,15 +6,13 @@ use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
-use super::report::{NonFiniteOrigin, OpReport, Phase};
+use super::report::{NonFiniteOrigin, OpReport, Phase, WEIGHT_GRADIENT};
 use super::stats::{add_histogram, exponent_histogram, measure, Acc};
 use crate::dtype::{dtype_name, is_low_precision, DtypeRange};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::parent_path;
 use crate::sys::observer::{Handler, Observed, ObservedKind};
 
-/// The op name of a weight's gradient in reports.
-pub(crate) const WEIGHT_GRADIENT: &str = "weight gradient";
 /// The module of ops that run before any weight is read.
 pub(crate) const INPUT_MODULE: &str = "(input)";
 /// The op name of the input cast of O2/O3's model wrapper.
@@ -48,6 +46,9 @@ impl Modules {
         self.last = None;
     }
 }
+
+/// The first variable whose gradient holds inf/NaN, and the dtype it was held in.
+pub(crate) type FirstWeight = (String, String);
 
 /// Which run the observations belong to.
 #[derive(Debug, Clone, Copy)]
@@ -234,7 +235,7 @@ impl Recorder {
         fp32: &[Tensor],
         scale: f64,
         low_dtype: Kind,
-    ) -> Result<(BTreeMap<String, Acc>, Option<(String, String)>)> {
+    ) -> Result<(BTreeMap<String, Acc>, Option<FirstWeight>)> {
         let mut s = self.lock();
         let mut out: BTreeMap<String, Acc> = BTreeMap::new();
         let mut first = None;
@@ -264,10 +265,7 @@ impl Recorder {
     pub(crate) fn finish(&self) -> Recorded {
         let mut s = self.lock();
         s.ref_ops.clear();
-        Recorded {
-            ops: std::mem::take(&mut s.ops),
-            histograms: std::mem::take(&mut s.histograms),
-        }
+        Recorded { ops: std::mem::take(&mut s.ops), histograms: std::mem::take(&mut s.histograms) }
     }
 }
 
@@ -355,7 +353,8 @@ pub(crate) fn first_non_finite(
         dtype: acc.stats().dtype,
         loss_scale: scale,
     };
-    if let Some((op, acc)) = ops.iter().find_map(|o| o.forward.as_ref().filter(|a| a.non_finite() > 0).map(|a| (o, a))) {
+    if let Some((op, acc)) = ops.iter().find_map(|o| o.forward.as_ref().filter(|a| a.non_finite() > 0).map(|a| (o, a)))
+    {
         return Some(origin(Phase::Forward, op, acc));
     }
     let mut backward: Vec<(&OpRecord, &Acc, usize)> = ops

@@ -4,8 +4,10 @@ use std::fmt;
 
 use serde::Serialize;
 
-use super::advice::Finding;
 use crate::dtype::DtypeRange;
+
+/// The op name of a weight's gradient in reports.
+pub(crate) const WEIGHT_GRADIENT: &str = "weight gradient";
 
 /// Forward or backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -156,7 +158,7 @@ pub struct ModuleReport {
     /// fp32 under O1 and autocast), at the loss scale.
     pub weight_grads: Option<TensorStats>,
     /// The most severe finding about it (`None`: nothing found).
-    pub severity: Option<super::advice::Severity>,
+    pub severity: Option<Severity>,
 }
 
 /// Where the target run first produced inf or NaN.
@@ -180,7 +182,7 @@ impl fmt::Display for NonFiniteOrigin {
         let module = if self.module.is_empty() { "the root module" } else { &self.module };
         match self.phase {
             Phase::Forward => write!(f, "forward: {} in {module} ({} output)", self.op, self.dtype),
-            Phase::Backward if self.op == super::record::WEIGHT_GRADIENT => {
+            Phase::Backward if self.op == WEIGHT_GRADIENT => {
                 write!(f, "backward: the gradient of {module} ({}, loss scale {})", self.dtype, self.loss_scale)
             }
             Phase::Backward => write!(
@@ -259,9 +261,9 @@ pub struct DoctorReport {
 
 impl DoctorReport {
     /// Whether the set-up trains this batch fine: no finding of severity
-    /// [`Severity::Warning`](super::advice::Severity::Warning) or above.
+    /// [`Severity::Warning`](Severity::Warning) or above.
     pub fn trains_fine(&self) -> bool {
-        self.findings.iter().all(|f| f.severity < super::advice::Severity::Warning)
+        self.findings.iter().all(|f| f.severity < Severity::Warning)
     }
 
     /// The module named `name`.
@@ -277,7 +279,7 @@ impl DoctorReport {
     /// One line: the verdict, with the worst finding or, when it trains fine, the largest forward
     /// relative error.
     pub fn summary(&self) -> String {
-        if let Some(worst) = self.findings.iter().find(|f| f.severity >= super::advice::Severity::Warning) {
+        if let Some(worst) = self.findings.iter().find(|f| f.severity >= Severity::Warning) {
             return format!("{} at loss scale {}: {}", self.target, self.loss_scale, worst.message);
         }
         let worst = self
@@ -307,4 +309,66 @@ pub(crate) fn display_module(m: &str) -> &str {
     } else {
         m
     }
+}
+
+/// How bad a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// Worth knowing; training is fine.
+    Info,
+    /// Training goes on but learns less well (lost gradients, lost precision).
+    Warning,
+    /// Steps are skipped, the scale collapses, or inf/NaN reach the weights.
+    Error,
+}
+
+/// What a finding is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FindingKind {
+    /// Forward values exceed the 16-bit dtype's range (or turn inf/NaN).
+    ActivationOverflow,
+    /// Non-zero forward values become zero in the 16-bit dtype.
+    ActivationUnderflow,
+    /// Gradients at the loss scale exceed the 16-bit dtype's range.
+    GradientOverflow,
+    /// Non-zero gradients at the loss scale become zero in the 16-bit dtype.
+    GradientUnderflow,
+    /// An op's result is far from the fp32 run's although its values are in range.
+    PrecisionLoss,
+    /// Why a dynamic loss scale falls to its floor, or settles where gradients vanish.
+    ScaleCollapse,
+    /// The fp32 run itself produces inf/NaN: not a mixed-precision problem.
+    Fp32NonFinite,
+}
+
+/// One thing to do, and the call that does it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Advice {
+    /// What to do, in words.
+    pub action: String,
+    /// The Rust to write (`<...>` marks the user's names).
+    pub code: String,
+}
+
+/// A problem (or a fact) the numbers show, with its evidence and what to do.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Finding {
+    /// How bad it is.
+    pub severity: Severity,
+    /// What it is about.
+    pub kind: FindingKind,
+    /// The module (VarStore path prefix), when it is about one.
+    pub module: Option<String>,
+    /// The op, when it is about one.
+    pub op: Option<String>,
+    /// Forward or backward, when it is about one.
+    pub phase: Option<Phase>,
+    /// One sentence.
+    pub message: String,
+    /// The numbers behind it.
+    pub evidence: String,
+    /// What to do, best first.
+    pub advice: Vec<Advice>,
 }

@@ -12,8 +12,8 @@ use crate::dtype::{dtype_name, is_floating, is_low_precision, DtypeRange};
 use crate::error::{check_loss_value, AmpError, ConfigError, Result, TorchContext};
 use crate::model::wrapper::set_kind;
 use crate::model::{AmpInputs, AmpModel};
-use crate::sys::observer::{self, Observer};
 use crate::scaling::LossScaler;
+use crate::sys::observer::{self, Observer};
 use crate::torch_amp::GradScalerOptions;
 use crate::{Amp, AmpConfig, Autocast};
 
@@ -21,7 +21,7 @@ use crate::{Amp, AmpConfig, Autocast};
 #[derive(Debug, Clone)]
 pub enum Target {
     /// Apex's path: an opt level (O1, O2 or O3) with its overrides, as `initialize` takes it.
-    Apex(AmpConfig),
+    Apex(Box<AmpConfig>),
     /// torch.amp's path: the forward under this autocast; fp16 backward at a GradScaler's scale.
     Autocast(Autocast),
 }
@@ -182,7 +182,7 @@ impl Doctor {
 
     /// A doctor for Apex's path at `config` (O1, O2 or O3).
     pub fn apex(config: AmpConfig) -> Self {
-        Self::new(Target::Apex(config))
+        Self::new(Target::Apex(Box::new(config)))
     }
 
     /// A doctor for torch.amp's path under `autocast`.
@@ -199,10 +199,8 @@ impl Doctor {
     }
 
     fn plan(&self, device: Device) -> Result<Plan> {
-        let scale_override = self
-            .loss_scale
-            .map(|s| crate::config::rules::positive_scale("loss_scale", s))
-            .transpose()?;
+        let scale_override =
+            self.loss_scale.map(|s| crate::config::rules::positive_scale("loss_scale", s)).transpose()?;
         let (label, path, low, scale, dynamic, floor, max_scale) = match &self.target {
             Target::Apex(config) => {
                 let props = config.build()?;
@@ -218,13 +216,19 @@ impl Doctor {
                 let dynamic = scaler.is_dynamic();
                 let floor = dynamic.then(|| scaler.min_loss_scale());
                 let label = format!("{} {}", props.opt_level(), dtype_name(low));
-                (label, Path::Apex(props.opt_level()), low, scaler.loss_scale(), dynamic, floor, scaler.max_loss_scale())
+                (
+                    label,
+                    Path::Apex(props.opt_level()),
+                    low,
+                    scaler.loss_scale(),
+                    dynamic,
+                    floor,
+                    scaler.max_loss_scale(),
+                )
             }
             Target::Autocast(a) => {
-                let same_type = matches!(
-                    (a.device(), device),
-                    (Device::Cpu, Device::Cpu) | (Device::Cuda(_), Device::Cuda(_))
-                );
+                let same_type =
+                    matches!((a.device(), device), (Device::Cpu, Device::Cpu) | (Device::Cuda(_), Device::Cuda(_)));
                 if !same_type {
                     return Err(AmpError::Config(ConfigError::InvalidOption {
                         option: "autocast device",
@@ -324,7 +328,7 @@ impl Doctor {
         let target = match &self.target {
             Target::Apex(config) => {
                 let _off = disable_casts()?;
-                let amp = Amp::new(&config.clone().verbosity(0))?;
+                let amp = Amp::new(&AmpConfig::clone(config).verbosity(0))?;
                 let (wrapper, _) = amp.cast_model_with_report(vs, ())?;
                 let pass = Pass { wrapper, reference: false, recorder: &recorder };
                 let loss = forward(&pass);
@@ -355,7 +359,8 @@ impl Doctor {
         let window = advice::scale_window(&ctx, &recorded.ops, &weight_grads, &recorded.histograms);
         let forward_non_finite =
             recorded.ops.iter().position(|o| o.forward.as_ref().is_some_and(|a| a.non_finite() > 0));
-        let (findings, modules) = advice::diagnose(&ctx, &recorded.ops, &weight_grads, window.as_ref(), forward_non_finite);
+        let (findings, modules) =
+            advice::diagnose(&ctx, &recorded.ops, &weight_grads, window.as_ref(), forward_non_finite);
         Ok(DoctorReport {
             target: plan.label,
             range: ctx.range,

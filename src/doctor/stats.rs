@@ -217,7 +217,9 @@ pub(crate) fn measure(target: &Tensor, fp32: Option<&Tensor>, scale: f64, range:
     q.push(a0.f_eq(0.0).and_then(|z| a0.f_masked_fill(&z, f64::INFINITY)).and_then(|m| m.f_min()))?;
     q.push(x.f_eq(0.0).and_then(|z| z.f_sum(Kind::Double)))?;
     if let Some(r) = range {
-        q.push(a0.f_gt(0.0).and_then(|p| p.f_logical_and(&a0.f_lt(r.min_normal)?)).and_then(|s| s.f_sum(Kind::Double)))?;
+        q.push(
+            a0.f_gt(0.0).and_then(|p| p.f_logical_and(&a0.f_lt(r.min_normal)?)).and_then(|s| s.f_sum(Kind::Double)),
+        )?;
     }
     if let Some(reference) = fp32 {
         let rx = reference.f_to_kind(calc).ctx("doctor statistics")?;
@@ -295,10 +297,8 @@ pub(crate) fn exponent_histogram(values: &Tensor) -> Result<Vec<u64>> {
         .and_then(|t| t.f_sub_scalar(HIST_MIN as f64))
         .and_then(|t| t.f_to_kind(Kind::Int64))
         .ctx("doctor histogram")?;
-    let counts = e
-        .f_bincount(None::<Tensor>, HIST_BINS)
-        .and_then(|t| t.f_to_device(Device::Cpu))
-        .ctx("doctor histogram")?;
+    let counts =
+        e.f_bincount(None::<Tensor>, HIST_BINS).and_then(|t| t.f_to_device(Device::Cpu)).ctx("doctor histogram")?;
     Ok(Vec::<i64>::try_from(&counts).ctx("doctor histogram")?.into_iter().map(|c| c.max(0) as u64).collect())
 }
 

@@ -61,7 +61,10 @@ fn forward_overflow_names_the_layer_and_advises_bf16_or_fp32() {
     assert_eq!(f.non_finite, inf16);
 
     let first = r.findings.first().unwrap();
-    assert_eq!((first.kind, first.module.as_deref(), first.op.as_deref()), (FindingKind::ActivationOverflow, Some("big"), Some("linear")));
+    assert_eq!(
+        (first.kind, first.module.as_deref(), first.op.as_deref()),
+        (FindingKind::ActivationOverflow, Some("big"), Some("linear"))
+    );
     assert!(first.message.contains("the first inf/NaN"), "{}", first.message);
     let codes: Vec<&str> = first.advice.iter().map(|a| a.code.as_str()).collect();
     assert_eq!(codes[0], "AmpConfig::new(OptLevel::O1).low_precision_dtype(Kind::BFloat16)");
@@ -159,4 +162,3 @@ fn bad_targets_and_losses_are_typed_errors() {
     let after = &vs.variables()["big.weight"];
     assert!(after.kind() == Kind::Float && after.requires_grad() && after.equal(&before));
 }
-
