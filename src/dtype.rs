@@ -99,30 +99,33 @@ mod tests {
     use super::DtypeRange;
     use half::{bf16, f16};
 
-    /// The thresholds are where half's own rounding (round to nearest even) changes its answer.
+    /// The thresholds are where the rounding of an fp32 value (the reference values the doctor
+    /// measures are fp32; round to nearest even, as libtorch's casts) changes its answer. In f32
+    /// steps: half's `from_f64` rounds through f32 (twice), so f64 neighbours would test that.
     #[test]
     fn thresholds_match_half_rounding() {
-        let next_down = |x: f64| f64::from_bits(x.to_bits() - 1);
-        let next_up = |x: f64| f64::from_bits(x.to_bits() + 1);
+        let next_down = |x: f64| f32::from_bits((x as f32).to_bits() - 1);
+        let next_up = |x: f64| f32::from_bits((x as f32).to_bits() + 1);
+        let at = |x: f64| x as f32;
         let r = DtypeRange::fp16();
         assert_eq!((r.max, r.min_normal, r.min_subnormal), (65504.0, 2f64.powi(-14), 2f64.powi(-24)));
         assert_eq!(r.overflow_at, 65520.0);
-        assert!(f16::from_f64(r.overflow_at).is_infinite());
-        assert_eq!(f16::from_f64(next_down(r.overflow_at)), f16::MAX);
-        assert_eq!(f16::from_f64(r.zero_at).to_f64(), 0.0);
-        assert_eq!(f16::from_f64(next_up(r.zero_at)), f16::MIN_POSITIVE_SUBNORMAL);
-        let sub = f16::from_f64(next_down(r.subnormal_below));
+        assert!(f16::from_f32(at(r.overflow_at)).is_infinite());
+        assert_eq!(f16::from_f32(next_down(r.overflow_at)), f16::MAX);
+        assert_eq!(f16::from_f32(at(r.zero_at)).to_f64(), 0.0);
+        assert_eq!(f16::from_f32(next_up(r.zero_at)), f16::MIN_POSITIVE_SUBNORMAL);
+        let sub = f16::from_f32(next_down(r.subnormal_below));
         assert!(!sub.is_normal() && sub.to_f64() > 0.0);
-        assert_eq!(f16::from_f64(r.subnormal_below), f16::MIN_POSITIVE);
+        assert_eq!(f16::from_f32(at(r.subnormal_below)), f16::MIN_POSITIVE);
 
         let b = DtypeRange::bf16();
         assert_eq!(b.max, bf16::MAX.to_f64());
-        assert!(bf16::from_f64(b.overflow_at).is_infinite());
-        assert_eq!(bf16::from_f64(next_down(b.overflow_at)), bf16::MAX);
-        assert_eq!(bf16::from_f64(b.zero_at).to_f64(), 0.0);
-        assert_eq!(bf16::from_f64(next_up(b.zero_at)), bf16::MIN_POSITIVE_SUBNORMAL);
-        let sub = bf16::from_f64(next_down(b.subnormal_below));
+        assert!(bf16::from_f32(at(b.overflow_at)).is_infinite());
+        assert_eq!(bf16::from_f32(next_down(b.overflow_at)), bf16::MAX);
+        assert_eq!(bf16::from_f32(at(b.zero_at)).to_f64(), 0.0);
+        assert_eq!(bf16::from_f32(next_up(b.zero_at)), bf16::MIN_POSITIVE_SUBNORMAL);
+        let sub = bf16::from_f32(next_down(b.subnormal_below));
         assert!(!sub.is_normal() && sub.to_f64() > 0.0);
-        assert_eq!(bf16::from_f64(b.subnormal_below), bf16::MIN_POSITIVE);
+        assert_eq!(bf16::from_f32(at(b.subnormal_below)), bf16::MIN_POSITIVE);
     }
 }
