@@ -31,18 +31,20 @@ pub enum Target {
 ///
 /// ```
 /// # fn main() -> Result<(), tch_amp::AmpError> {
-/// use tch::nn::{self, Module};
+/// use tch::nn;
 /// use tch::{Device, Kind, Tensor};
 /// use tch_amp::doctor::Doctor;
 /// use tch_amp::{AmpConfig, CpuKernels, OptLevel};
 /// let vs = nn::VarStore::new(Device::Cpu);
-/// let fc1 = nn::linear(vs.root() / "fc1", 8, 16, Default::default());
-/// let fc2 = nn::linear(vs.root() / "fc2", 16, 4, Default::default());
+/// let net = nn::seq()
+///     .add(nn::linear(vs.root() / "fc1", 8, 16, Default::default()))
+///     .add_fn(|t| t.relu())
+///     .add(nn::linear(vs.root() / "fc2", 16, 4, Default::default()));
 /// let x = Tensor::randn([32, 8], (Kind::Float, Device::Cpu));
 /// let y = Tensor::randn([32, 4], (Kind::Float, Device::Cpu));
 /// let config = AmpConfig::new(OptLevel::O2).cpu_kernels(CpuKernels::Emulate);
 /// let report = Doctor::apex(config).run(&vs, |pass| {
-///     let out = pass.forward(&nn::seq().add(&fc1).add_fn(|t| t.relu()).add(&fc2), &x);
+///     let out = pass.forward(&net, &x);
 ///     out.mse_loss(&y, tch::Reduction::Mean)
 /// })?;
 /// assert!(report.trains_fine(), "{}", report.summary());
