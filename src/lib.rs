@@ -61,8 +61,8 @@
 //!   `param_groups`), [`UpdateRule`] (a user's own optimizer), [`ScaleLossOptions`],
 //!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
 //!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
-//!   [`CpuKernels`], [`AmpError`], [`Result`]; PyTorch's own mixed precision: [`GradScaler`],
-//!   [`autocast`] / [`AutocastScope`].
+//!   [`CpuKernels`] / [`CpuKernelChoice`] / [`OpClass`], [`AmpError`], [`Result`]; PyTorch's
+//!   own mixed precision: [`GradScaler`], [`autocast`] / [`AutocastScope`].
 //! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
 //!   [`config::ParseOptLevelError`].
 //! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
@@ -136,7 +136,7 @@ pub mod torch_checkpoint;
 pub mod torch_io;
 
 pub use amp::{initialize, Amp};
-pub use cast::cpu::CpuKernels;
+pub use cast::cpu::{CpuKernelChoice, CpuKernels, OpClass};
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
 pub use checkpoint::file::{load_checkpoint, save_checkpoint};

@@ -1,5 +1,6 @@
 //! The cast engine: O1's per-op casts (Apex's cast lists as a libtorch dispatcher policy) and the
-//! CPU emulation of fp16/bf16 GEMMs and convolutions (O1, O2 and O3).
+//! CPU emulation of fp16/bf16 GEMMs, convolutions and attention (O1, O2, O3 and torch.amp's CPU
+//! autocast).
 //!
 //! Apex's O1 monkey-patched Python functions (`torch.nn.functional.linear`, `torch.exp`,
 //! `Tensor.__add__`, ...) so that their inputs were cast before they ran. tch programs call
@@ -37,8 +38,9 @@
 //! - The weight-cast cache recasts a weight changed in place, is correct after `no_grad` evaluation
 //!   and supports a weight used twice in one forward.
 //! - bf16 can be the low-precision type ([`CastSettings::low_precision_dtype`]).
-//! - On CPU, fp16/bf16 GEMMs and convolutions run libtorch's native kernels where the CPU has fast
-//!   ones for the type and are emulated in fp32 elsewhere ([`crate::CpuKernels`], [`CpuFeatures`]).
+//! - On CPU, fp16/bf16 GEMMs, convolutions and attention run libtorch's native kernels where the
+//!   CPU has fast ones for the class and type and are emulated in fp32 elsewhere
+//!   ([`crate::CpuKernels`], [`CpuFeatures`], docs/cpu_emulation.md).
 //! - Errors raised inside the dispatcher reach the caller as tch errors; [`classify_torch_error`]
 //!   turns them into [`OpRefused::BannedOp`](crate::error::OpRefused::BannedOp) and
 //!   [`OpRefused::InPlaceFp32OnHalf`](crate::error::OpRefused::InPlaceFp32OnHalf).
@@ -57,7 +59,8 @@ pub use autocast::{autocast, autocast_state, AutocastGuard, AutocastState};
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
 pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures};
-pub(crate) use cpu::{resolve as resolve_cpu_kernels, CpuKernels};
+pub(crate) use cpu::{resolve as resolve_cpu_kernels, warn_if_slow as warn_if_slow_cpu_kernels};
+pub(crate) use cpu::{CpuKernelChoice, CpuKernels, OpClass};
 pub use disable::DisableCastsGuard;
 pub(crate) use engine::{
     activate_torch_autocast, kernels_registered, libtorch_autocast_ops, policy_active, SavedPolicy,
