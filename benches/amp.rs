@@ -1477,7 +1477,9 @@ fn print_goals(w: Workload, rows: &[MemoryRow], times: &BTreeMap<(&'static str, 
             r.largest_batch as f64 / o0.largest_batch as f64
         );
     }
-    let o2 = rows.iter().find(|r| r.label.starts_with("tch-amp O2 fp16") && !r.label.contains("(native)") && !r.label.contains("(emulated)"));
+    let o2 = rows.iter().find(|r| {
+        r.label.starts_with("tch-amp O2 fp16") && !r.label.contains("(native)") && !r.label.contains("(emulated)")
+    });
     println!();
     if let Some((t, label)) = worst_time {
         println!("- Goal: every Auto row at most 1.2x O0's step time: the slowest is {label} at {t:.3}x.");
@@ -1486,7 +1488,10 @@ fn print_goals(w: Workload, rows: &[MemoryRow], times: &BTreeMap<(&'static str, 
         let peak = o2.at_batch.peak as f64 / o0.at_batch.peak as f64;
         let batch = o2.largest_batch as f64 / o0.largest_batch as f64;
         if w == Workload::Cnn {
-            println!("- Goal: O2's peak at most 0.65x O0's: {peak:.3}x ({}).", if peak <= 0.65 { "met" } else { "not met" });
+            println!(
+                "- Goal: O2's peak at most 0.65x O0's: {peak:.3}x ({}).",
+                if peak <= 0.65 { "met" } else { "not met" }
+            );
         }
         println!(
             "- Goal: O2's largest batch at least 1.6x O0's: {batch:.2}x ({}).",

@@ -334,7 +334,7 @@ impl CpuFeatures {
             (OpClass::Convolution, _, false) => Some(5.0),
             // oneDNN's reference kernel for the weight gradient.
             (OpClass::Convolution, Kind::Half, true) if !self.amx_fp16 => Some(50.0),
-            (OpClass::Attention, _, true) => Some(3.5),
+            (OpClass::Attention, _, true) => Some(3.0),
             _ => None,
         }
     }
@@ -387,12 +387,10 @@ pub(crate) fn resolve(choice: CpuKernelChoice, kind: Kind) -> CpuKernelChoice {
 /// in `kind` where libtorch's native kernels are known to be many times slower than fp32 on
 /// this CPU ([`CpuFeatures::native_slowdown`]). `Auto` never chooses those.
 pub(crate) fn warn_if_slow(choice: CpuKernelChoice, kind: Kind) {
-    static WARNED: [[AtomicBool; 3]; 2] =
-        [[AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)], [
-            AtomicBool::new(false),
-            AtomicBool::new(false),
-            AtomicBool::new(false),
-        ]];
+    static WARNED: [[AtomicBool; 3]; 2] = [
+        [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
+        [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
+    ];
     let (row, name) = match kind {
         Kind::Half => (0, "fp16"),
         Kind::BFloat16 => (1, "bf16"),

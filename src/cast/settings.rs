@@ -113,7 +113,8 @@ impl CastSettings {
 
     /// Whether `class`'s ops in `kind` are emulated on this CPU (`Auto` resolved).
     pub fn emulates_class(&self, kind: Kind, class: OpClass) -> bool {
-        matches!(kind, Kind::Half | Kind::BFloat16) && resolve(self.cpu_kernels_of(kind), kind).get(class) == CpuKernels::Emulate
+        matches!(kind, Kind::Half | Kind::BFloat16)
+            && resolve(self.cpu_kernels_of(kind), kind).get(class) == CpuKernels::Emulate
     }
 
     /// These settings with `Auto` replaced by this CPU's choice for each type and class.

@@ -12,7 +12,9 @@
 // storage once the forward is done, and get it back, converted again from the kept 16-bit
 // inputs (exact, so the same values), while backward needs them. EmulatedBackward's backward:
 // - replay (GEMMs, convolutions): the forward recorded the fp32 op's autograd graph on aliases
-//   of the fp32 copies; backward runs that graph. Nothing is computed twice.
+//   of the fp32 copies; backward runs that graph, for one input's gradient at a time (these ops
+//   are linear in each input, so that input's copy stays empty meanwhile). Nothing is computed
+//   twice.
 // - recompute (attention, matmul, whose fp32 graphs keep fp32 intermediates of their own): the
 //   forward recorded nothing; backward reruns the fp32 op under autograd and differentiates it.
 //   A random call (a nonzero dropout_p) replays instead.
@@ -30,6 +32,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,12 +66,11 @@ struct Input {
   size_t position = 0;     // its index among the op's arguments
   bool requires_grad = false;
   SavedVariable saved;     // what the op received (the fp32 copy, or the tensor itself)
-  // An fp32 copy this file made (`owned`): the 16-bit tensor it was made from, its storage's
-  // size when filled, and whether it is filled now.
+  // An fp32 copy this file made (`owned`): the 16-bit tensor it was made from, and whether its
+  // storage holds its data now.
   bool owned = false;
   SavedVariable source;
   at::Tensor copy;         // the copy itself, kept to refill its storage
-  size_t nbytes = 0;
   bool filled = true;
   // Replay: the alias of the copy the forward's graph was recorded on, and the edge by which a
   // gradient leaves that graph.
@@ -77,7 +79,8 @@ struct Input {
 
 class EmulatedBackward final : public Node {
  public:
-  EmulatedBackward(c10::OperatorHandle op, bool recompute) : op_(std::move(op)), recompute_(recompute) {}
+  EmulatedBackward(c10::OperatorHandle op, bool recompute, bool per_input)
+      : op_(std::move(op)), recompute_(recompute), per_input_(per_input) {}
 
   std::string name() const override { return "tch_amp::EmulatedBackward(" + op_display(op_.operator_name()) + ")"; }
 
@@ -107,6 +110,7 @@ class EmulatedBackward final : public Node {
     variable_list g32(grads.size());
     for (size_t j = 0; j < grads.size(); ++j) {
       if (grads[j].defined()) g32[j] = grads[j].to(at::kFloat);
+      grads[j] = at::Tensor();  // the engine hands its reference over: the 16-bit gradient goes
     }
     const bool create_graph = c10::GradMode::is_enabled();
     if (create_graph) pinned_ = true;  // the gradients' graph reads the copies from now on
@@ -118,16 +122,16 @@ class EmulatedBackward final : public Node {
         }
       }
     } empty_again{*this};
+    if (!create_graph && !recompute_) return replay(g32);
     for (auto& in : inputs_) refill(in);
-    if (create_graph || recompute_) return recompute(g32, create_graph);
-    return replay(g32);
+    return recompute(g32, create_graph);
   }
 
   // Builds the node for the op's arguments (the top `nargs` entries of `stack`, every eligible
   // floating one of type `low`), runs the op in fp32 and leaves its outputs, rounded to `low`
   // and attached to the node, on the stack.
   static void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack, size_t nargs,
-                  at::ScalarType low, bool recompute) {
+                  at::ScalarType low, bool recompute, bool per_input) {
     auto first = stack->end() - static_cast<std::ptrdiff_t>(nargs);
     std::vector<c10::IValue> args(first, stack->end());
     torch::jit::drop(*stack, nargs);
@@ -156,7 +160,7 @@ class EmulatedBackward final : public Node {
       v = x;
       inputs.push_back(std::move(in));
     }
-    NodePtr node_ptr = make_node<EmulatedBackward>(op, recompute);
+    NodePtr node_ptr = make_node<EmulatedBackward>(op, recompute, per_input);
     auto* node = static_cast<EmulatedBackward*>(node_ptr.get());
     node->set_next_edges(std::move(next));
     node->inputs_ = std::move(inputs);
@@ -180,6 +184,7 @@ class EmulatedBackward final : public Node {
     // Only the non-tensor arguments stay; the tensors are saved variables.
     for (const auto& in : node->inputs_) args[in.position] = c10::IValue();
     node->args_ = std::move(args);
+    for (auto& in : node->inputs_) node->empty(in);
 
     const size_t nret = op.schema().returns().size();
     auto ret = stack->end() - static_cast<std::ptrdiff_t>(nret);
@@ -196,21 +201,17 @@ class EmulatedBackward final : public Node {
       torch::autograd::set_history(y, node_ptr);
       v = y;
     }
-    for (auto& in : node->inputs_) {
-      if (!in.owned) continue;
-      in.nbytes = in.copy.storage().nbytes();
-      node->empty(in);
-    }
   }
 
  private:
   // The bytes of an fp32 copy this file made go (the forward's graph keeps aliases and views of
-  // the same storage, so they all lose them); `refill` brings them back.
+  // the same storage, so they all lose them); `refill` brings them back. The storage keeps its
+  // size, so that views can still be made of it (a 1-d convolution's backward views its input
+  // as 2-d); reading its data meanwhile is libtorch's "data is not allocated" error.
   void empty(Input& in) {
     if (!in.owned || !in.filled || !in.copy.defined()) return;
     c10::StorageImpl* s = in.copy.storage().unsafeGetStorageImpl();
     s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
-    s->set_nbytes(0);
     in.filled = false;
   }
 
@@ -224,17 +225,20 @@ class EmulatedBackward final : public Node {
     c10::StorageImpl* s = in.copy.storage().unsafeGetStorageImpl();
     c10::StorageImpl* f = fresh.storage().unsafeGetStorageImpl();
     TORCH_INTERNAL_ASSERT(fresh.strides() == in.copy.strides() && fresh.storage_offset() == in.copy.storage_offset() &&
-                              f->nbytes() == in.nbytes,
+                              f->nbytes() == s->nbytes(),
                           "tch-amp emulation: the fp32 copy of a kept input changed layout");
     s->set_data_ptr_noswap(std::move(f->mutable_data_ptr()));
-    s->set_nbytes(in.nbytes);
     in.filled = true;
   }
 
-  // The forward's graph, run again (its inputs refilled).
+  // The forward's graph, run again. For ops linear in each input (GEMMs, convolutions:
+  // `per_input_`), the gradient of one input never reads that input, so the gradients are
+  // computed one input at a time, with that input's copy empty and the others' refilled: an
+  // input's fp32 copy and its fp32 gradient never take memory at once. Otherwise (a random
+  // attention call) every copy is refilled and one run computes all.
   variable_list replay(const variable_list& g32) {
     variable_list out(inputs_.size());
-    edge_list roots, wanted;
+    edge_list roots;
     variable_list root_grads;
     for (size_t j = 0; j < roots_.size(); ++j) {
       if (g32[j].defined() && roots_[j].is_valid()) {
@@ -242,17 +246,38 @@ class EmulatedBackward final : public Node {
         root_grads.push_back(g32[j]);
       }
     }
-    std::vector<size_t> index;
+    std::vector<size_t> wanted;
     for (size_t i = 0; i < inputs_.size(); ++i) {
       if (inputs_[i].requires_grad && task_should_compute_output(i) && inputs_[i].inner_edge.is_valid()) {
-        wanted.push_back(inputs_[i].inner_edge);
-        index.push_back(i);
+        wanted.push_back(i);
       }
     }
     if (roots.empty() || wanted.empty()) return out;
-    variable_list grads = torch::autograd::Engine::get_default_engine().execute(
-        roots, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
-    for (size_t k = 0; k < index.size(); ++k) out[index[k]] = grads[k];
+    auto run = [&](const std::vector<size_t>& which) {
+      edge_list edges;
+      for (size_t i : which) edges.push_back(inputs_[i].inner_edge);
+      variable_list grads = torch::autograd::Engine::get_default_engine().execute(
+          roots, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, edges);
+      for (size_t k = 0; k < which.size(); ++k) out[which[k]] = grads[k];
+    };
+    if (!per_input_) {
+      for (auto& in : inputs_) refill(in);
+      run(wanted);
+      return out;
+    }
+    // The largest copy last: the runs before refill it, the last one holds its gradient.
+    auto bytes = [&](size_t i) { return inputs_[i].owned ? inputs_[i].copy.storage().nbytes() : size_t{0}; };
+    std::stable_sort(wanted.begin(), wanted.end(), [&](size_t a, size_t b) { return bytes(a) < bytes(b); });
+    for (size_t i : wanted) {
+      for (size_t k = 0; k < inputs_.size(); ++k) {
+        if (k == i) {
+          empty(inputs_[k]);
+        } else {
+          refill(inputs_[k]);
+        }
+      }
+      run({i});
+    }
     return out;
   }
 
@@ -303,6 +328,7 @@ class EmulatedBackward final : public Node {
   std::mutex mu_;
   c10::OperatorHandle op_;
   bool recompute_;
+  bool per_input_;  // linear in each input: replay computes one input's gradient at a time
   bool released_ = false;
   bool pinned_ = false;  // a create_graph backward ran: the copies keep their storage
   // The op's arguments; its tensor arguments (the inputs) are left out, kept as saved variables.
@@ -326,13 +352,15 @@ void run_emulated_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, t
     }
   }
   if (needs_graph && !lists && c10::GradMode::is_enabled()) {
-    // A random op (attention with dropout) cannot be recomputed: it replays.
+    // The replayed ops are linear in each input; the recomputed ones are not, and a random one
+    // (attention with dropout) cannot be recomputed: it replays all its inputs at once.
+    const bool per_input = !recompute;
     const auto& schema_args = op.schema().arguments();
     for (size_t i = 0; i < nargs && i < schema_args.size(); ++i) {
       const c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
       if (schema_args[i].name() == "dropout_p" && v.isDouble() && v.toDouble() != 0.0) recompute = false;
     }
-    EmulatedBackward::run(op, below, stack, nargs, low, recompute);
+    EmulatedBackward::run(op, below, stack, nargs, low, recompute, per_input);
     return;
   }
   // Nothing to differentiate (or tensor lists, which no listed op takes): convert, compute,

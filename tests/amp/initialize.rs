@@ -360,7 +360,8 @@ fn cpu_kernels_are_chosen_per_dtype_and_class_from_the_cpu_and_overridable() {
         }
         // From a string, as a command line gives it.
         let parsed: CpuKernelChoice = "native,attention=emulate".parse().unwrap();
-        let p = AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).cpu_kernel_choice(kind, parsed).build().unwrap();
+        let p =
+            AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).cpu_kernel_choice(kind, parsed).build().unwrap();
         assert_eq!(
             p.cpu_kernels(),
             Some(CpuKernelChoice::all(CpuKernels::Native).with(OpClass::Attention, CpuKernels::Emulate))

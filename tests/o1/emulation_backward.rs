@@ -103,9 +103,11 @@ fn emulated_ops_keep_the_bytes_of_native_16_bit_ones_for_backward() {
                 drop(y_native);
                 // Backward: the rounding points of the casts written out.
                 let upstream = det(&y.size(), 1.9).to_kind(kind);
-                let grads = |y: &Tensor| Tensor::run_backward(&[(y * &upstream).sum(Kind::Float)], &inputs, false, false);
+                let grads =
+                    |y: &Tensor| Tensor::run_backward(&[(y * &upstream).sum(Kind::Float)], &inputs, false, false);
                 let got = grads(&y);
-                let up: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
+                let up: Vec<Tensor> =
+                    inputs.iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
                 let reference = op(&up).to_kind(kind);
                 let want = Tensor::run_backward(&[(&reference * &upstream).sum(Kind::Float)], &up, false, false);
                 bits_equal(&y, &reference, &format!("{name} {kind:?} output"));
@@ -115,6 +117,87 @@ fn emulated_ops_keep_the_bytes_of_native_16_bit_ones_for_backward() {
             }
         }
     });
+}
+
+/// Every op of the emulation list that libtorch can differentiate (not `_addmm_activation`),
+/// backward: each input's gradient is the fp32 op's gradient of the fp32-converted upstream
+/// gradient, rounded once, bit for bit, with activations (non-leaf inputs) and with a 16-bit
+/// leaf weight (the cast cache's shared copy).
+#[test]
+fn every_emulated_op_differentiates_as_the_casts_written_out() {
+    let handle = emulation_only(emulate_all());
+    let cases: Vec<(&str, Vec<Vec<i64>>, Op)> = vec![
+        ("addmm", vec![vec![16], vec![24, 32], vec![32, 16]], Box::new(|t| t[0].addmm(&t[1], &t[2]))),
+        (
+            "baddbmm",
+            vec![vec![3, 8, 8], vec![3, 8, 16], vec![3, 16, 8]],
+            Box::new(|t| t[0].baddbmm(&t[1], &t[2], 0.5, 2.0)),
+        ),
+        ("addbmm", vec![vec![8, 8], vec![3, 8, 16], vec![3, 16, 8]], Box::new(|t| t[0].addbmm(&t[1], &t[2]))),
+        ("matmul broadcast", vec![vec![2, 3, 16], vec![16, 8]], Box::new(|t| t[0].matmul(&t[1]))),
+        ("matmul 1d", vec![vec![16], vec![4, 16, 8]], Box::new(|t| t[0].matmul(&t[1]))),
+        ("linear", vec![vec![5, 16], vec![8, 16], vec![8]], Box::new(|t| t[0].linear(&t[1], Some(&t[2])))),
+        ("linear no bias 3d", vec![vec![2, 5, 16], vec![8, 16]], Box::new(|t| t[0].linear(&t[1], None::<Tensor>))),
+        ("mv", vec![vec![8, 16], vec![16]], Box::new(|t| t[0].mv(&t[1]))),
+        ("addmv", vec![vec![8], vec![8, 16], vec![16]], Box::new(|t| t[0].addmv(&t[1], &t[2]))),
+        ("addr", vec![vec![8, 4], vec![8], vec![4]], Box::new(|t| t[0].addr(&t[1], &t[2]))),
+        ("dot", vec![vec![64], vec![64]], Box::new(|t| t[0].dot(&t[1]))),
+        ("vdot", vec![vec![64], vec![64]], Box::new(|t| t[0].vdot(&t[1]))),
+        (
+            "conv1d",
+            vec![vec![2, 3, 16], vec![4, 3, 5]],
+            Box::new(|t| t[0].conv1d(&t[1], None::<Tensor>, [1], [2], [1], 1)),
+        ),
+        (
+            "conv2d same, groups",
+            vec![vec![2, 4, 7, 7], vec![6, 2, 3, 3], vec![6]],
+            Box::new(|t| t[0].conv2d_padding(&t[1], Some(&t[2]), [1, 1], "same", [1, 1], 2)),
+        ),
+        (
+            "conv3d",
+            vec![vec![1, 2, 5, 5, 5], vec![3, 2, 3, 3, 3]],
+            Box::new(|t| t[0].conv3d(&t[1], None::<Tensor>, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1)),
+        ),
+        (
+            "conv_transpose2d",
+            vec![vec![2, 4, 5, 5], vec![4, 3, 3, 3], vec![3]],
+            Box::new(|t| t[0].conv_transpose2d(&t[1], Some(&t[2]), [2, 2], [1, 1], [0, 0], 1, [1, 1])),
+        ),
+        ("conv_tbc", vec![vec![9, 2, 4], vec![3, 4, 5], vec![5]], Box::new(|t| t[0].conv_tbc(&t[1], &t[2], 1))),
+    ];
+    for kind in [Kind::Half, Kind::BFloat16] {
+        for (name, shapes, op) in &cases {
+            // All activations, then the second input a 16-bit leaf weight.
+            for leaf_weight in [false, true] {
+                let inputs: Vec<Tensor> = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        if leaf_weight && i == 1 {
+                            det(s, 0.41 * i as f64).to_kind(kind).set_requires_grad(true)
+                        } else {
+                            activation(s, 0.41 * i as f64, kind)
+                        }
+                    })
+                    .collect();
+                let what = format!("{name} {kind:?}{}", if leaf_weight { " (leaf weight)" } else { "" });
+                let (y, ops) = counting(kind, || handle.run(Device::Cpu, || op(&inputs)).unwrap());
+                assert_eq!(ops, 1, "{what}: emulated");
+                let upstream = det(&y.size(), 1.9).to_kind(kind);
+                let active = handle.activate(Device::Cpu).unwrap();
+                let got = Tensor::run_backward(&[(&y * &upstream).sum(Kind::Float)], &inputs, false, false);
+                drop(active);
+                let up: Vec<Tensor> =
+                    inputs.iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
+                let reference = op(&up).to_kind(kind);
+                bits_equal(&y, &reference, &format!("{what} output"));
+                let want = Tensor::run_backward(&[(&reference * &upstream).sum(Kind::Float)], &up, false, false);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    bits_equal(g, &w.to_kind(kind), &format!("{what} grad {i}"));
+                }
+            }
+        }
+    }
 }
 
 /// A 16-bit model weight (a leaf, as O2's) gets one fp32 copy per forward from the cast cache,
@@ -153,8 +236,14 @@ fn emulated_attention_is_fp32_attention_of_the_rounded_inputs_rounded_once() {
     let mask = det(&[l, l], 0.7).ge(0.0).logical_or(&Tensor::eye(l, (Kind::Bool, Device::Cpu)));
     type Attn = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> Tensor>;
     let cases: Vec<(&str, Attn)> = vec![
-        ("sdpa", Box::new(|q, k, v| Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false))),
-        ("sdpa causal", Box::new(|q, k, v| Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false))),
+        (
+            "sdpa",
+            Box::new(|q, k, v| Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false)),
+        ),
+        (
+            "sdpa causal",
+            Box::new(|q, k, v| Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false)),
+        ),
         (
             "sdpa bool mask, scale",
             Box::new(move |q, k, v| Tensor::scaled_dot_product_attention(q, k, v, Some(&mask), 0.0, false, 0.3, false)),
@@ -162,13 +251,28 @@ fn emulated_attention_is_fp32_attention_of_the_rounded_inputs_rounded_once() {
         (
             "math path",
             Box::new(|q, k, v| {
-                Tensor::internal_scaled_dot_product_attention_math(q, k, v, None::<Tensor>, 0.0, false, None::<Tensor>, None, false).0
+                Tensor::internal_scaled_dot_product_attention_math(
+                    q,
+                    k,
+                    v,
+                    None::<Tensor>,
+                    0.0,
+                    false,
+                    None::<Tensor>,
+                    None,
+                    false,
+                )
+                .0
             }),
         ),
     ];
     for kind in [Kind::Half, Kind::BFloat16] {
         for (name, attn) in &cases {
-            let (q, k, v) = (activation(&[b, h, l, e], 0.1, kind), activation(&[b, h, l, e], 0.5, kind), activation(&[b, h, l, e], 0.9, kind));
+            let (q, k, v) = (
+                activation(&[b, h, l, e], 0.1, kind),
+                activation(&[b, h, l, e], 0.5, kind),
+                activation(&[b, h, l, e], 0.9, kind),
+            );
             let (y, ops) = counting(kind, || handle.run(Device::Cpu, || attn(&q, &k, &v)).unwrap());
             assert_eq!(ops, 1, "{name} {kind:?}: emulated as one op");
             let upstream = det(&y.size(), 1.3).to_kind(kind);
@@ -193,7 +297,11 @@ fn emulated_attention_with_dropout_differentiates_the_forwards_draw() {
     isolated("emulation_backward::emulated_attention_with_dropout_differentiates_the_forwards_draw", 300, || {
         let handle = emulation_only(emulate_all());
         let kind = Kind::BFloat16;
-        let (q, k, v) = (activation(&[2, 2, 12, 8], 0.1, kind), activation(&[2, 2, 12, 8], 0.4, kind), activation(&[2, 2, 12, 8], 0.8, kind));
+        let (q, k, v) = (
+            activation(&[2, 2, 12, 8], 0.1, kind),
+            activation(&[2, 2, 12, 8], 0.4, kind),
+            activation(&[2, 2, 12, 8], 0.8, kind),
+        );
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor| {
             Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.3, false, None, false)
         };
@@ -201,11 +309,13 @@ fn emulated_attention_with_dropout_differentiates_the_forwards_draw() {
         let (y, ops) = counting(kind, || handle.run(Device::Cpu, || attn(&q, &k, &v)).unwrap());
         assert_eq!(ops, 1);
         let got = Tensor::run_backward(&[y.to_kind(Kind::Float).sum(Kind::Float)], &[&q, &k, &v], false, false);
-        let up: Vec<Tensor> = [&q, &k, &v].iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
+        let up: Vec<Tensor> =
+            [&q, &k, &v].iter().map(|t| t.detach().to_kind(Kind::Float).set_requires_grad(true)).collect();
         tch::manual_seed(11);
         let reference = attn(&up[0], &up[1], &up[2]).to_kind(kind);
         bits_equal(&y, &reference, "output");
-        let without = Tensor::scaled_dot_product_attention(&up[0], &up[1], &up[2], None::<Tensor>, 0.0, false, None, false);
+        let without =
+            Tensor::scaled_dot_product_attention(&up[0], &up[1], &up[2], None::<Tensor>, 0.0, false, None, false);
         assert!(!without.to_kind(kind).equal(&y), "dropout dropped something");
         let want = Tensor::run_backward(&[reference.to_kind(Kind::Float).sum(Kind::Float)], &up, false, false);
         for (g, w) in got.iter().zip(&want) {
@@ -250,9 +360,18 @@ fn double_backward_and_retained_graphs_keep_the_rounding_points() {
                         _ => {
                             let q = up(x).mm(&up(w)).to_kind(kind).view([2, 4, 8]);
                             let (q32, k32, v32) = (up(&q), up(&q), up(&q));
-                            Tensor::scaled_dot_product_attention(&q32, &k32, &v32, None::<Tensor>, 0.0, false, None, false)
-                                .to_kind(kind)
-                                .view([8, 8])
+                            Tensor::scaled_dot_product_attention(
+                                &q32,
+                                &k32,
+                                &v32,
+                                None::<Tensor>,
+                                0.0,
+                                false,
+                                None,
+                                false,
+                            )
+                            .to_kind(kind)
+                            .view([8, 8])
                         }
                     }
                 }
@@ -273,7 +392,11 @@ fn double_backward_and_retained_graphs_keep_the_rounding_points() {
         };
         let (got, want) = (run(true), run(false));
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            bits_equal(g, w, &format!("{name} {}", ["y", "grad w", "d penalty/dx", "d penalty/dw", "grad x", "grad x again"][i]));
+            bits_equal(
+                g,
+                w,
+                &format!("{name} {}", ["y", "grad w", "d penalty/dx", "d penalty/dw", "grad x", "grad x again"][i]),
+            );
         }
     }
 }
@@ -291,21 +414,28 @@ fn each_class_follows_its_own_setting() {
     let gemm = || a.mm(&bm);
     let attn = || Tensor::scaled_dot_product_attention(&q, &q, &q, None::<Tensor>, 0.0, false, None, false);
     for class in OpClass::ALL {
-        let settings = CastSettings::default().cpu_kernels(CpuKernels::Native).cpu_kernels_class(class, CpuKernels::Emulate);
+        let settings =
+            CastSettings::default().cpu_kernels(CpuKernels::Native).cpu_kernels_class(class, CpuKernels::Emulate);
         let handle = emulation_only(settings);
         let counts: Vec<u64> = [&conv as &dyn Fn() -> Tensor, &gemm, &attn]
             .iter()
             .map(|f| counting(kind, || handle.run(Device::Cpu, f).unwrap()).1)
             .collect();
-        let want: Vec<u64> = [OpClass::Convolution, OpClass::Gemm, OpClass::Attention].iter().map(|c| u64::from(*c == class)).collect();
+        let want: Vec<u64> =
+            [OpClass::Convolution, OpClass::Gemm, OpClass::Attention].iter().map(|c| u64::from(*c == class)).collect();
         assert_eq!(counts, want, "Apex path, only {class} emulated");
-        let autocast = Autocast::new(Device::Cpu).dtype(kind).cpu_kernels(CpuKernels::Native).cpu_kernels_class(class, CpuKernels::Emulate);
+        let autocast = Autocast::new(Device::Cpu)
+            .dtype(kind)
+            .cpu_kernels(CpuKernels::Native)
+            .cpu_kernels_class(class, CpuKernels::Emulate);
         let fp32 = |t: &Tensor| t.detach().to_kind(Kind::Float);
         let (x32, w32, a32, b32, q32) = (fp32(&x), fp32(&w), fp32(&a), fp32(&bm), fp32(&q));
         let counts: Vec<u64> = [
             Box::new(|| x32.conv2d(&w32, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1)) as Box<dyn Fn() -> Tensor>,
             Box::new(|| a32.mm(&b32)),
-            Box::new(|| Tensor::scaled_dot_product_attention(&q32, &q32, &q32, None::<Tensor>, 0.0, false, None, false)),
+            Box::new(|| {
+                Tensor::scaled_dot_product_attention(&q32, &q32, &q32, None::<Tensor>, 0.0, false, None, false)
+            }),
         ]
         .iter()
         .map(|f| counting(kind, || autocast.run(f).unwrap()).1)
