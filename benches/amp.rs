@@ -65,6 +65,14 @@ impl Workload {
             Workload::Resnet50 => "resnet50",
         }
     }
+    /// The operation classes whose CPU kernels this workload runs (its attention is written
+    /// out with matmul).
+    fn classes(self) -> &'static [OpClass] {
+        match self {
+            Workload::Cnn | Workload::Resnet50 => &[OpClass::Gemm, OpClass::Convolution],
+            _ => &[OpClass::Gemm],
+        }
+    }
     fn describe(self) -> &'static str {
         match self {
             Workload::Mlp => "MLP 784-1024-1024-10 with batch norm, batch 128 (GEMM-bound)",
@@ -1319,10 +1327,10 @@ fn memory_configs(cuda: bool) -> Vec<Config> {
     v
 }
 
-/// Whether `c` runs libtorch's native fp16/bf16 CPU kernels of a class known to be many times
-/// slower than fp32 on this CPU (too slow to search large batches with).
-fn runs_slow_kernels(c: Config, cuda: bool) -> bool {
-    let slow = |k: Kind| OpClass::ALL.iter().any(|c| CpuFeatures::detect().native_slowdown(*c, k).is_some());
+/// Whether `c` runs libtorch's native fp16/bf16 CPU kernels of a class of `w` known to be many
+/// times slower than fp32 on this CPU (too slow to search large batches with).
+fn runs_slow_kernels(c: Config, w: Workload, cuda: bool) -> bool {
+    let slow = |k: Kind| w.classes().iter().any(|c| CpuFeatures::detect().native_slowdown(*c, k).is_some());
     !cuda
         && match c {
             Config::Amp { dtype: Some(k), kernels: CpuKernels::Native, .. } => slow(k),
@@ -1367,7 +1375,7 @@ fn step_memory(bench: &Bench, w: Workload, budget: i64) -> Result<Vec<MemoryRow>
                 largest_batch,
                 searched,
             };
-            if runs_slow_kernels(c, cuda) {
+            if runs_slow_kernels(c, w, cuda) {
                 return Ok(row(probes, estimate, false));
             }
             // Bracket the largest fitting batch around the estimate, then bisect to 1%.
@@ -1465,7 +1473,7 @@ fn print_goals(w: Workload, rows: &[MemoryRow], times: &BTreeMap<(&'static str, 
         let time = times.get(&(w.name(), r.label.clone())).copied();
         let auto_row = !r.label.contains("(native)") && !r.label.contains("(emulated)");
         if let (Some(t), true, false) = (time, auto_row, r.label.ends_with(" O0")) {
-            if worst_time.is_none_or(|(m, _)| t > m) {
+            if worst_time.map_or(true, |(m, _)| t > m) {
                 worst_time = Some((t, &r.label));
             }
         }

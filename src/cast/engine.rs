@@ -126,7 +126,7 @@ fn emulation_entries(dtypes: impl Fn(OpClass) -> c_int) -> Result<Vec<OwnedEntry
         .filter_map(|e| {
             let mask = dtypes(e.class);
             let recompute = if e.recompute { engine::EMULATE_RECOMPUTE } else { 0 };
-            (mask != 0).then(|| (Device::Cpu, EngineCategory::Emulate, e.op, mask | recompute))
+            (mask != 0).then_some((Device::Cpu, EngineCategory::Emulate, e.op, mask | recompute))
         })
         .collect())
 }
@@ -150,7 +150,9 @@ fn install_entries(mut owned: Vec<OwnedEntry>, allow_banned: bool, torch_autocas
 /// or `BFloat16`) CPU ops: libtorch's own autocast kernels for every other op. Installed once per
 /// type and set of emulated classes, for the life of the process (at most 14).
 fn torch_autocast_policy(kind: Kind, choice: CpuKernelChoice) -> Result<Arc<PolicyPtr>> {
-    static POLICIES: Lazy<Mutex<HashMap<(bool, [bool; 3]), Arc<PolicyPtr>>>> = Lazy::new(Default::default);
+    /// Keyed by (fp16?, which classes are emulated).
+    type Policies = HashMap<(bool, [bool; 3]), Arc<PolicyPtr>>;
+    static POLICIES: Lazy<Mutex<Policies>> = Lazy::new(Default::default);
     let emulated = OpClass::ALL.map(|c| choice.get(c) == CpuKernels::Emulate);
     let key = (kind == Kind::Half, emulated);
     let mut policies = POLICIES.lock().unwrap_or_else(|e| e.into_inner());

@@ -12,9 +12,9 @@
 // storage once the forward is done, and get it back, converted again from the kept 16-bit
 // inputs (exact, so the same values), while backward needs them. EmulatedBackward's backward:
 // - replay (GEMMs, convolutions): the forward recorded the fp32 op's autograd graph on aliases
-//   of the fp32 copies; backward runs that graph, for one input's gradient at a time (these ops
-//   are linear in each input, so that input's copy stays empty meanwhile). Nothing is computed
-//   twice.
+//   of the fp32 copies; backward runs that graph, the gradient of the input with the largest
+//   copy last and alone (these ops are linear in each input, so that copy stays empty
+//   meanwhile). Nothing is computed twice.
 // - recompute (attention, matmul, whose fp32 graphs keep fp32 intermediates of their own): the
 //   forward recorded nothing; backward reruns the fp32 op under autograd and differentiates it.
 //   A random call (a nonzero dropout_p) replays instead.
@@ -231,11 +231,11 @@ class EmulatedBackward final : public Node {
     in.filled = true;
   }
 
-  // The forward's graph, run again. For ops linear in each input (GEMMs, convolutions:
-  // `per_input_`), the gradient of one input never reads that input, so the gradients are
-  // computed one input at a time, with that input's copy empty and the others' refilled: an
-  // input's fp32 copy and its fp32 gradient never take memory at once. Otherwise (a random
-  // attention call) every copy is refilled and one run computes all.
+  // The forward's graph, run again on the refilled copies. For ops linear in each input (GEMMs,
+  // convolutions: `per_input_`), the gradient of one input never reads that input, so the
+  // gradient of the input with the largest copy is computed last, alone, with that copy empty:
+  // its fp32 copy and its fp32 gradient never take memory at once. Otherwise (a random
+  // attention call) one run computes all.
   variable_list replay(const variable_list& g32) {
     variable_list out(inputs_.size());
     edge_list roots;
@@ -260,24 +260,20 @@ class EmulatedBackward final : public Node {
           roots, root_grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, edges);
       for (size_t k = 0; k < which.size(); ++k) out[which[k]] = grads[k];
     };
-    if (!per_input_) {
+    // The largest copy's gradient last, alone, with that copy empty.
+    auto bytes = [&](size_t i) { return inputs_[i].owned ? inputs_[i].copy.storage().nbytes() : size_t{0}; };
+    const auto largest = std::max_element(wanted.begin(), wanted.end(), [&](size_t a, size_t b) { return bytes(a) < bytes(b); });
+    if (!per_input_ || bytes(*largest) == 0) {
       for (auto& in : inputs_) refill(in);
       run(wanted);
       return out;
     }
-    // The largest copy last: the runs before refill it, the last one holds its gradient.
-    auto bytes = [&](size_t i) { return inputs_[i].owned ? inputs_[i].copy.storage().nbytes() : size_t{0}; };
-    std::stable_sort(wanted.begin(), wanted.end(), [&](size_t a, size_t b) { return bytes(a) < bytes(b); });
-    for (size_t i : wanted) {
-      for (size_t k = 0; k < inputs_.size(); ++k) {
-        if (k == i) {
-          empty(inputs_[k]);
-        } else {
-          refill(inputs_[k]);
-        }
-      }
-      run({i});
-    }
+    const size_t last = *largest;
+    wanted.erase(largest);
+    for (auto& in : inputs_) refill(in);
+    if (!wanted.empty()) run(wanted);
+    empty(inputs_[last]);
+    run({last});
     return out;
   }
 
