@@ -2,7 +2,7 @@
 # Each does the setup it needs; setup is idempotent and fast once done.
 CARGO ?= cargo
 
-.PHONY: demo test setup data doc lint check-shim bench clean
+.PHONY: demo test setup data doc lint check-shim public-api bench clean
 
 setup:
 	@bash scripts/setup-libtorch.sh
@@ -25,6 +25,12 @@ lint: setup
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --all-targets --features cuda-tests -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
+	python3 scripts/public-api.py --check .ci/public-api.txt
+
+# Regenerates the checked public-API listing after an intended change of the public API.
+public-api: setup
+	$(CARGO) doc --no-deps
+	python3 scripts/public-api.py > .ci/public-api.txt
 
 # The distributed shim against the other supported torch's headers (scripts/check-shim-headers.sh).
 check-shim:

@@ -22,7 +22,9 @@
 //! `--step-memory` adds, per workload, the peak bytes of a whole training step (activations
 //! included) under O0-O3 and the torch.amp path, and the largest batch whose step fits
 //! `--budget-gib`, found by bisection on measured peaks. The GradScaler section times
-//! `unscale_` + `update` against torch's on each workload's gradients.
+//! `unscale_` + `update` against torch's on each workload's gradients. The float8 section times an
+//! MLP of `tch_amp::float8` layers (torchao's recipes, TE's delayed scaling) against the same
+//! MLP in fp32 and under bf16 autocast (`--float8-rounds 0` skips it).
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -35,9 +37,9 @@ use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
 use tch_amp::diagnostics;
-use tch_amp::torch_amp::Autocast;
 use tch_amp::{
-    Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernelChoice, CpuKernels, GradScaler, OpClass, OptLevel, OptimizerConfig,
+    Amp, AmpConfig, AmpModel, AmpOptimizer, Autocast, CpuKernelChoice, CpuKernels, GradScaler, OpClass, OptLevel,
+    OptimizerConfig,
 };
 
 #[allow(dead_code)]
@@ -202,6 +204,10 @@ struct Args {
     /// tch-amp against PyTorch; 0 skips it).
     #[arg(long, default_value_t = 5)]
     scaler_rounds: usize,
+    /// Rounds of the float8 comparison (an MLP of float8 linear layers, torchao's recipes and
+    /// TE's delayed scaling, against the same MLP in fp32 and under bf16 autocast; 0 skips it).
+    #[arg(long, default_value_t = 3)]
+    float8_rounds: usize,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
     /// come back as fresh pages) instead of calling `tch_amp::cast::keep_freed_cpu_memory`
     /// before the first row.
@@ -1240,6 +1246,129 @@ fn print_scaler(rows: &[serde_json::Value], rounds: usize, iterations: usize) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Float8 training against bf16 autocast
+
+/// The float8 MLP's sizes: width and batch (GPU-sized on CUDA; small on CPU, where libtorch's
+/// `_scaled_mm` with tensorwise scales is a slow reference loop).
+fn float8_dims(device: Device) -> (i64, i64) {
+    if device.is_cuda() {
+        (4096, 2048)
+    } else {
+        (256, 64)
+    }
+}
+
+/// One float8 configuration: a recipe (None: plain linear layers) and bf16 autocast or not.
+const FLOAT8_ROWS: [(&str, Option<&str>, bool); 6] = [
+    ("fp32", None, false),
+    ("bf16 autocast", None, true),
+    ("fp8 tensorwise", Some("tensorwise"), false),
+    ("fp8 tensorwise + bf16 autocast", Some("tensorwise"), true),
+    ("fp8 rowwise + bf16 autocast", Some("rowwise"), true),
+    ("fp8 delayed (TE) + bf16 autocast", Some("delayed"), true),
+];
+
+/// The MLP 784-w-w-10 (ReLU) as float8 linear layers (the head stays high precision), a step of
+/// SGD; per row the median step time of each round (libtorch's native bf16 kernels).
+fn float8_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<Vec<serde_json::Value>> {
+    use tch_amp::float8::{DelayedScaling, Float8LinearConfig, Float8Training, LayerFilter};
+    let device = bench.device;
+    let (width, batch) = float8_dims(device);
+    let x = Tensor::randn([batch, 784], (Kind::Float, device));
+    let y = Tensor::randint(10, [batch], (Kind::Int64, device));
+    struct Row {
+        _vs: VarStore,
+        layers: Vec<tch_amp::float8::Float8Linear>,
+        opt: nn::Optimizer,
+        autocast: Autocast,
+    }
+    let mut rows = Vec::new();
+    for (_, recipe, autocast) in FLOAT8_ROWS {
+        tch::manual_seed(0);
+        let vs = VarStore::new(device);
+        let config = match recipe {
+            Some("delayed") => Float8LinearConfig::default().delayed_scaling(DelayedScaling::default()),
+            Some(name) => Float8LinearConfig::from_recipe_name(name)?,
+            None => Float8LinearConfig::default(),
+        };
+        let filter = if recipe.is_some() { LayerFilter::all() } else { LayerFilter::only(&["none"]) };
+        let fp8 = Float8Training::new(config, filter)?;
+        let root = vs.root();
+        let layers = vec![
+            fp8.linear(&root / "fc1", 784, width, Default::default())?,
+            fp8.linear(&root / "fc2", width, width, Default::default())?,
+            fp8.linear(&root / "head", width, 10, Default::default())?,
+        ];
+        let opt = <nn::Sgd as nn::OptimizerConfig>::build(nn::Sgd { momentum: 0.9, ..Default::default() }, &vs, 1e-3)?;
+        let autocast = Autocast::new(device).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).enabled(autocast);
+        rows.push(Row { _vs: vs, layers, opt, autocast });
+    }
+    let step = |r: &mut Row| -> Result<()> {
+        r.opt.zero_grad();
+        let logits = r.autocast.run(|| {
+            let [fc1, fc2, head] = r.layers.as_slice() else { unreachable!() };
+            x.apply(fc1).relu().apply(fc2).relu().apply(head)
+        })?;
+        logits.to_kind(Kind::Float).cross_entropy_for_logits(&y).backward();
+        r.opt.step();
+        Ok(())
+    };
+    for r in rows.iter_mut() {
+        for _ in 0..bench.args.warmup.max(1) {
+            step(r)?;
+        }
+    }
+    let mut per_round = vec![Vec::new(); rows.len()];
+    for round in 0..rounds {
+        for (i, r) in rows.iter_mut().enumerate() {
+            let mut ms = Vec::with_capacity(steps);
+            for _ in 0..steps {
+                sync(device);
+                let t = now();
+                step(r)?;
+                sync(device);
+                ms.push(ms_since(t));
+            }
+            per_round[i].push(median(&ms));
+        }
+        eprintln!("float8: round {}/{rounds} done", round + 1);
+    }
+    let bf16 = 1;
+    Ok(FLOAT8_ROWS
+        .iter()
+        .enumerate()
+        .map(|(i, (label, _, _))| {
+            let ratio: Vec<f64> = per_round[i].iter().zip(&per_round[bf16]).map(|(a, b)| a / b).collect();
+            serde_json::json!({ "label": label, "ms": Spread::of(&per_round[i]), "vs_bf16": Spread::of(&ratio) })
+        })
+        .collect())
+}
+
+fn print_float8(rows: &[serde_json::Value], bench: &Bench) {
+    let (width, batch) = float8_dims(bench.device);
+    let show = |v: &serde_json::Value, d: usize| -> String {
+        match (v["median"].as_f64(), v["min"].as_f64(), v["max"].as_f64()) {
+            (Some(m), Some(a), Some(b)) => format!("{m:.d$} [{a:.d$}–{b:.d$}]"),
+            _ => "-".into(),
+        }
+    };
+    println!();
+    println!("## Float8 training (tch_amp::float8) against bf16 autocast");
+    println!();
+    println!(
+        "MLP 784-{width}-{width}-10 (ReLU), batch {batch}, SGD; fc1 and fc2 float8 (the 10-wide head stays high \
+         precision), weights fp32; bf16 rows on libtorch's native kernels. A report, not a verdict: on CPU \
+         libtorch's `_scaled_mm` is far slower than its fp32 and bf16 GEMMs (with tensorwise scales most of all)."
+    );
+    println!();
+    println!("| configuration | ms per step | vs bf16 autocast |");
+    println!("|---|---:|---:|");
+    for r in rows {
+        println!("| {} | {} | {} |", r["label"].as_str().unwrap_or("?"), show(&r["ms"], 2), show(&r["vs_bf16"], 3));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The bytes of a whole training step, and the largest batch within a budget
 
 /// What the counting allocator saw during one training step.
@@ -1754,6 +1883,13 @@ fn main() -> Result<()> {
         }
         print_scaler(&scaler_out, rounds, iterations);
     }
+    let float8_out = if bench.args.float8_rounds > 0 {
+        let rows = float8_cost(&bench, bench.args.float8_rounds, bench.args.steps)?;
+        print_float8(&rows, &bench);
+        rows
+    } else {
+        Vec::new()
+    };
     let overflow = if bench.args.overflow_rounds > 0 {
         Some(overflow_cost(&bench, bench.args.overflow_rounds, bench.args.steps)?)
     } else {
@@ -1769,6 +1905,7 @@ fn main() -> Result<()> {
             "overflow_path": overflow,
             "step_memory": step_memory_out,
             "grad_scaler": scaler_out,
+            "float8": float8_out,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

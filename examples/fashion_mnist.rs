@@ -8,7 +8,7 @@
 //! O0's, the largest batch whose step fits `--budget-gib`, bytes of training state (weights +
 //! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
 //! The rows `autocast-fp16` and `autocast-bf16` are PyTorch's own recipe through tch-amp: fp32
-//! weights, the forward under `tch_amp::torch_amp::Autocast` in that type and a `GradScaler`
+//! weights, the forward under `tch_amp::Autocast` in that type and a `GradScaler`
 //! (`autocast` takes torch.autocast's default type: bf16 on CPU, fp16 on CUDA).
 //!
 //! Writes `curves.png` (six panels: loss per level, each level's loss minus O0's, the loss
@@ -58,10 +58,9 @@ use clap::Parser;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_amp::scaling::ScaleChange;
-use tch_amp::torch_amp::Autocast;
 use tch_amp::{
-    initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernelChoice, CpuKernels, GradScaler, OpClass, OptLevel,
-    StepOutcome,
+    initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, Autocast, CpuKernelChoice, CpuKernels, GradScaler, OpClass,
+    OptLevel, StepOutcome,
 };
 
 use common::cli;

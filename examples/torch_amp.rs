@@ -89,7 +89,7 @@ fn run() -> Result<()> {
     let mut opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, args.lr)?;
     let options = GradScalerOptions::default().enabled(precision.uses_grad_scaler());
     let mut scaler = GradScaler::with_options(device, options)?;
-    let autocast = tch_amp::torch_amp::Autocast::new(device)
+    let autocast = tch_amp::Autocast::new(device)
         .dtype(precision.autocast_dtype().unwrap_or(tch::Kind::BFloat16))
         .enabled(precision.autocast_dtype().is_some());
     println!("{} training images, {precision:?} on {device:?}", data.train.len());

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Compiles the distributed shim (src/shim/distributed.cpp, the one file that depends on a torch
+# Compiles every file of the C++ shim (src/shim/*.cpp; distributed.cpp depends on a torch
 # version's class layout) against the headers of another torch version, syntax only, with
-# build.rs's flags: its per-version table and static_assert run without that version's 4 GB
-# install. The headers come from, in this order: TORCH_HEADERS (a site-packages/torch or a
+# build.rs's flags, so the GPU machine's build (scripts/gpu-bundle.sh) keeps compiling: the
+# per-version table and static_assert run without that version's 4 GB install. The headers come from, in this order: TORCH_HEADERS (a site-packages/torch or a
 # folder holding include/), the venv scripts/gpu-bundle.sh makes
 # ($TCH_AMP_CACHE/venv-torch-VERSION), a cached extract ($TCH_AMP_CACHE/headers-torch-VERSION),
 # or else the PyPI wheel itself: pip resolves its URL (metadata only) and
@@ -37,11 +37,11 @@ if [ ! -f "$torch/include/torch/headeronly/version.h" ]; then
 fi
 found=$(sed -n 's/^#define TORCH_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)$/\2/p' "$torch/include/torch/headeronly/version.h" | paste -sd.)
 [ "$found" = "$version" ] || die "the headers in $torch are torch $found, not $version"
-echo "check-shim-headers: src/shim/distributed.cpp against torch $found headers in $torch" >&2
+echo "check-shim-headers: src/shim/*.cpp against torch $found headers in $torch" >&2
 cd "$root"
 "${CXX:-c++}" -std=c++17 -fsyntax-only -fopenmp \
   -I "$torch/include" -I "$torch/include/torch/csrc/api/include" -I src/shim/gloo_stub \
   -D_GLIBCXX_USE_CXX11_ABI=1 -DGLOG_USE_GLOG_EXPORT \
   -Wno-unused-parameter -Wno-deprecated-declarations -Wno-c++20-extensions \
-  src/shim/distributed.cpp
+  src/shim/*.cpp
 echo "check-shim-headers: ok (torch $found)" >&2

@@ -5,6 +5,8 @@
 # - Otherwise a Python venv with torch==2.13.0 (requirements.txt) is created once in a cache
 #   outside the clone ($TCH_AMP_CACHE, default ~/.cache/tch-amp), so every clone and every CI
 #   run on the machine reuses the 4.7 GB install. Re-running is a no-op taking well under 1 s.
+# - The test references' Python packages (requirements-test.txt: torchao) go into the same venv
+#   when missing (a file check when present).
 # - Writes the git-ignored .cargo/config.toml with LIBTORCH in [env], so a plain
 #   `cargo build/test/run` in this clone finds libtorch without any exported variable.
 set -euo pipefail
@@ -38,6 +40,17 @@ else
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$root/requirements.txt"
   fi
   torch_dir=$(ls -d "$venv"/lib/python3*/site-packages/torch | head -n 1)
+  # Test-only packages (requirements-test.txt, pinned): a glob per package, no Python start-up.
+  missing=0
+  while read -r req; do
+    case $req in ''|'#'*) continue ;; esac
+    name=${req%%==*} version=${req#*==}
+    ls -d "$venv"/lib/python3*/site-packages/"$name-$version".dist-info >/dev/null 2>&1 || missing=1
+  done < "$root/requirements-test.txt"
+  if [ "$missing" = 1 ]; then
+    echo "setup-libtorch: installing the test references' packages (requirements-test.txt) into $venv" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$root/requirements-test.txt"
+  fi
 fi
 
 found=$(version_of "$torch_dir")

@@ -9,15 +9,16 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, TchError, Tensor};
 
 use crate::cast::disable::without_casts;
-use crate::cast::{clear_cast_cache, install_policy, ActivePolicyGuard, CastPolicy, CpuFeatures, PolicyHandle};
+use crate::cast::{clear_cast_cache, install_policy, CastPolicy, CpuFeatures, PolicyHandle};
 use crate::config::{AmpConfig, LossScale, Properties};
 use crate::error::{AmpError, Result, TorchContext};
 use crate::model::{cast_var_store, AmpModel, CastReport};
 use crate::optim::{
-    build_entries, resolve, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
+    build_entries, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
     UpdateRule,
 };
 use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::AutocastScope;
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -57,7 +58,7 @@ impl Plan {
 /// the emulation-only policy. Guards drop before the handle (field order).
 #[derive(Debug)]
 struct CastRuntime {
-    _active: Vec<ActivePolicyGuard>,
+    _active: Vec<AutocastScope>,
     _handle: PolicyHandle,
 }
 
@@ -352,11 +353,7 @@ impl Amp {
     }
 
     fn layout(&self, vs: &VarStore, groups: &[ParamGroup]) -> Result<Layout> {
-        if groups.is_empty() {
-            Ok(Layout::TchGroups(build_entries(vs, &[], self.plan.masters)?))
-        } else {
-            Ok(Layout::Groups(resolve(vs, groups, &[], self.plan.masters)?))
-        }
+        crate::optim::amp_optimizer::layout(vs, groups, self.plan.masters)
     }
 
     fn optimizer_setup(&self) -> OptimizerSetup {
@@ -631,7 +628,7 @@ fn check_loss(loss: &Tensor, optimizers: &[&mut AmpOptimizer]) -> Result<()> {
     let device = loss.device();
     if let Some(params) = optimizers.iter().filter_map(|o| o.device()).find(|&d| d != device) {
         let problem = format!("is on {device:?} but an optimizer's parameters are on {params:?}: compute it there");
-        return Err(AmpError::Usage(UsageError::BadLoss { problem }));
+        return Err(AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem }));
     }
     Ok(())
 }

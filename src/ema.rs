@@ -1,7 +1,9 @@
 //! An exponential moving average of the model's weights, with timm's `ModelEmaV2` semantics
 //! (`ema = decay * ema + (1 - decay) * weight` for every entry of the state dict, after each
 //! optimizer step), kept in fp32 over the fp32 masters under O2 (so that the average does not
-//! lose the bits an fp16 model would), and over the variables themselves otherwise.
+//! lose the bits an fp16 model would), and over the variables themselves otherwise. A torch.amp
+//! loop (fp32 parameters, any optimizer) passes no optimizers and the [`crate::StepOutcome`] of
+//! [`crate::GradScaler::step`].
 //!
 //! ```
 //! use tch::nn::{self, ModuleT, VarStore};
@@ -38,7 +40,7 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
 use crate::error::{AmpError, Result, TorchContext};
-use crate::optim::amp_optimizer::{AmpOptimizer, StepOutcome};
+use crate::optim::{Optimizer, StepOutcome};
 
 /// An exponential moving average of a `VarStore`'s variables (see the module docs).
 #[derive(Debug)]
@@ -53,12 +55,12 @@ pub struct ModelEma {
 
 /// Each variable of `vs` as the optimizers step it: the fp32 master where there is one, the
 /// variable itself otherwise.
-fn sources(vs: &VarStore, optimizers: &[&AmpOptimizer]) -> BTreeMap<String, Tensor> {
+fn sources(vs: &VarStore, optimizers: &[&dyn Optimizer]) -> BTreeMap<String, Tensor> {
     let mut out: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
     for o in optimizers {
-        for (name, p) in o.param_names().into_iter().zip(o.master_params()) {
-            if let Some(slot) = out.get_mut(name) {
-                *slot = p;
+        for (name, master) in o.masters() {
+            if let Some(slot) = out.get_mut(&name) {
+                *slot = master;
             }
         }
     }
@@ -76,7 +78,7 @@ impl ModelEma {
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a decay outside `[0, 1]`; [`AmpError::Torch`] if a copy
     /// fails.
-    pub fn new(vs: &VarStore, optimizers: &[&AmpOptimizer], decay: f64) -> Result<Self> {
+    pub fn new(vs: &VarStore, optimizers: &[&dyn Optimizer], decay: f64) -> Result<Self> {
         if !(0.0..=1.0).contains(&decay) {
             return Err(AmpError::Config(ConfigError::InvalidOption {
                 option: "decay",
@@ -115,7 +117,7 @@ impl ModelEma {
     /// # Errors
     /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) when `vs` lost or
     /// renamed a variable the average holds; [`AmpError::Torch`] if an operation fails.
-    pub fn update(&mut self, vs: &VarStore, optimizers: &[&AmpOptimizer], outcome: StepOutcome) -> Result<()> {
+    pub fn update(&mut self, vs: &VarStore, optimizers: &[&dyn Optimizer], outcome: StepOutcome) -> Result<()> {
         if !outcome.stepped() {
             return Ok(());
         }

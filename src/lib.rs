@@ -51,52 +51,36 @@
 //! # }
 //! ```
 //!
-//! ## The public API, by concept
-//! The crate root holds what a ported script types; everything else lives in the module of its
-//! concept. Each item has one path.
-//! - **Root**: [`initialize`], [`Amp`], [`AmpConfig`], [`OptLevel`], [`LossScale`],
-//!   [`Properties`], [`AmpModel`], [`AmpOptimizer`], [`StepOutcome`], [`OptimizerConfig`]
-//!   (torch.optim's SGD/Adam/AdamW/RMSprop by tch's configs), Apex's [`FusedSgd`],
-//!   [`FusedAdam`], [`FusedLamb`], [`FusedNovoGrad`], [`FusedAdagrad`], [`ParamGroup`] (torch's
-//!   `param_groups`), [`UpdateRule`] (a user's own optimizer), [`ScaleLossOptions`],
-//!   [`save_checkpoint`] / [`load_checkpoint`], [`load_torch_checkpoint`] /
-//!   [`save_torch_checkpoint`], [`CastPolicy`], [`disable_casts`] / [`without_casts`],
-//!   [`CpuKernels`] / [`CpuKernelChoice`] / [`OpClass`], [`AmpError`], [`Result`]; PyTorch's
-//!   own mixed precision: [`GradScaler`], [`autocast`] / [`AutocastScope`].
-//! - [`config`] (`src/config/`): [`config::LevelDefaults`] (a row of Apex's table),
-//!   [`config::ParseOptLevelError`].
-//! - [`model`] (`src/model/`): [`model::AmpInputs`] (what the wrapper casts),
-//!   [`model::CastReport`].
-//! - [`scaling`] (`src/scaling/`): [`scaling::LossScaler`] and its history
-//!   ([`scaling::ScaleChange`]), [`scaling::ScaleLossOutcome`], [`scaling::OverflowReport`]
-//!   (which parameters overflowed), [`scaling::AmpState`] (`amp.state_dict()`).
-//! - [`optim`] (`src/optim/`): what an [`UpdateRule`] works on ([`optim::HyperParams`],
-//!   [`optim::GroupView`], [`optim::ParamView`], [`optim::StateSpec`]), what an optimizer
-//!   saves ([`optim::OptimizerRecord`]), [`optim::MemoryReport`], [`optim::unscale_`].
-//! - [`checkpoint`] (`src/checkpoint/`): the partial loads [`checkpoint::load_model_weights`]
-//!   and [`checkpoint::load_optimizer_state`].
-//! - [`cast`] (`src/cast/`): the cast engine for custom set-ups, [`cast::CastSettings`],
-//!   [`cast::CpuFeatures`], libtorch's own autocast ([`cast::AutocastGuard`]).
-//! - [`fp16_utils`] (`src/fp16_utils/`): Apex's `apex.fp16_utils` (`FP16_Optimizer`,
-//!   `network_to_half`, `prep_param_lists`, ...) for pre-amp scripts.
-//! - [`torch_io`] (`src/torch_io/`): reads what `torch.save` writes into a
-//!   [`torch_io::Value`] tree with tch tensors, and writes the zip format `torch.load` reads
-//!   (`weights_only=True` too).
-//! - [`torch_checkpoint`] (`src/torch_checkpoint/`): the options and mappings of PyTorch/Apex
-//!   checkpoints ([`torch_checkpoint::TorchLoadOptions`], torch.optim's state dict as an
-//!   [`optim::OptimizerRecord`]), and their errors.
-//! - [`distributed`] (`src/distributed/`): DDP, SyncBatchNorm and samplers on libtorch's c10d.
-//! - [`ema`] (`src/ema.rs`): [`ema::ModelEma`], timm's `ModelEmaV2` over the fp32 masters.
-//! - [`torch_amp`] (`src/torch_amp/`): torch.amp rather than Apex: autocast's options
-//!   ([`torch_amp::Autocast`]), the scaler's ([`torch_amp::GradScalerOptions`],
-//!   [`torch_amp::ScalerStep`], [`torch_amp::ScalerOptimizer`] for any optimizer),
-//!   [`torch_amp::clip_grad_norm_`], Lightning's precision flags ([`torch_amp::Precision`]).
-//! - [`error`] (`src/error/`): the groups of [`AmpError`], one per thing a caller can do
-//!   ([`error::ConfigError`], [`error::UsageError`], [`error::OpRefused`],
-//!   [`error::Divergence`], [`error::StateError`]).
-//! - Errors: [`AmpError`] at the bottom; [`torch_io`], [`torch_checkpoint`] and
-//!   [`distributed`] and [`torch_amp`] have their own error types, which wrap [`AmpError`] where
-//!   they need to.
+//! ## The public API
+//! ### What a ported script calls (the crate root)
+//! - Apex's `amp`: [`initialize`], [`AmpConfig`] / [`OptLevel`] / [`LossScale`] (and the
+//!   resolved [`Properties`]), [`Amp`] (`scale_loss`, with [`ScaleLossOptions`]), [`AmpModel`],
+//!   [`AmpOptimizer`] (`step` returns [`StepOutcome`]; `clip_grad_norm` on the masters),
+//!   [`disable_casts`] / [`without_casts`], [`CastPolicy`], [`CpuKernels`] (per operation
+//!   class: [`CpuKernelChoice`], [`OpClass`]).
+//! - torch.amp: [`Autocast`] / [`autocast`] / [`AutocastScope`] (the one autocast guard, also
+//!   under Apex's O1 policy), [`fp32_region`] (`custom_fwd(cast_inputs=torch.float32)`),
+//!   [`GradScaler`]; a plain torch.optim optimizer is [`AmpOptimizer::new`].
+//! - Optimizers: [`OptimizerConfig`] (torch.optim's SGD/Adam/AdamW/RMSprop by tch's configs),
+//!   Apex's [`FusedSgd`], [`FusedAdam`], [`FusedLamb`], [`FusedNovoGrad`], [`FusedAdagrad`],
+//!   [`ParamGroup`] (torch's `param_groups`), [`UpdateRule`] (a rule of your own).
+//! - Checkpoints: [`save_checkpoint`] / [`load_checkpoint`] (tch-amp's, bit-exact resume),
+//!   [`save_torch_checkpoint`] / [`load_torch_checkpoint`] (`torch.save` files both ways).
+//! - Errors: [`AmpError`] (grouped by what the caller can do, [`error`]) and [`Result`].
+//!
+//! ### Advanced: one module per concept
+//! [`config`] (Apex's table), [`model`] (what the wrapper casts), [`scaling`] (the loss scaler
+//! and its history, overflow reports), [`optim`] (the plain [`optim::Optimizer`] trait that
+//! [`GradScaler`] and [`ema::ModelEma`] work with; what an [`UpdateRule`] sees; records;
+//! [`optim::backward`] with `retain_graph`), [`checkpoint`] (partial loads), [`cast`] (the cast
+//! engine for custom set-ups), [`fp16_utils`] (Apex's `apex.fp16_utils` for pre-amp scripts),
+//! [`torch_io`] (`torch.save`/`torch.load` files, its own [`torch_io::TorchIoError`]),
+//! [`torch_checkpoint`] (the options of torch checkpoints), [`distributed`] (DDP, SyncBatchNorm,
+//! samplers on libtorch's c10d, with its own [`distributed::DistError`]), [`ema`] (timm's
+//! `ModelEmaV2`), [`float8`] (torchao's float8 training and Transformer Engine's delayed
+//! scaling), [`torch_amp`] (GradScaler's options, torch's `clip_grad_norm_`, Lightning's
+//! precision flags). Each item has one path; the public API is listed in
+//! `.ci/public-api.txt`, which `make lint` checks.
 //!
 //! The C++ shim is in `src/shim/`; every unsafe call into it is in `src/sys/`.
 //!
@@ -125,6 +109,7 @@ pub mod distributed;
 mod dtype;
 pub mod ema;
 pub mod error;
+pub mod float8;
 pub mod fp16_utils;
 pub mod model;
 pub mod optim;
@@ -136,9 +121,11 @@ pub mod torch_checkpoint;
 pub mod torch_io;
 
 pub use amp::{initialize, Amp};
+pub use cast::autocast::{autocast, fp32_region, Autocast};
 pub use cast::cpu::{CpuKernelChoice, CpuKernels, OpClass};
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
+pub use cast::scope::AutocastScope;
 pub use checkpoint::file::{load_checkpoint, save_checkpoint};
 pub use config::builder::AmpConfig;
 pub use config::loss_scale::LossScale;
@@ -152,7 +139,6 @@ pub use optim::groups::ParamGroup;
 pub use optim::rule::UpdateRule;
 pub use optim::rules::OptimizerConfig;
 pub use scaling::scale_loss::ScaleLossOptions;
-pub use torch_amp::autocast::{autocast, AutocastScope};
 pub use torch_amp::grad_scaler::GradScaler;
 pub use torch_checkpoint::file::{load_torch_checkpoint, save_torch_checkpoint};
 

@@ -30,8 +30,13 @@
 //! injected into delayed passes (Apex unscales loss 1's delayed gradient by loss 0's scale and
 //! catches its overflow with scaler 0), and with `max_loss_scale(3000)`, where 1/scale is
 //! inexact, so that the order and rounding of `new * (1/scale) + stashed` show (a fused
-//! multiply-add gives other losses and weights there). Compared: every loss, scale and skip, the
-//! final variables and masters, emulation off and on.
+//! multiply-add gives other losses and weights there). A second scenario (`accumulation_shared_*`)
+//! takes both losses from one forward per micro-batch (loss 0 backward with the graph retained,
+//! loss 1 = 0.1 * mean(out^2)), clips the masters to norm 1 before each step (the per-parameter
+//! norms summed in torch's parameter order, as Apex's `amp.master_params`), and injects an
+//! overflow into loss 1 in the last micro-batch (scaler 1 catches it in the stash path) or in
+//! the delayed one (scaler 0 catches it). Compared: every loss, scale and skip, the norm of every
+//! stepped step, the final variables and masters, emulation off and on.
 //!
 //! O3 runs twice: as Apex does it (the user's optimizer on the fp16 parameters with fp16 state,
 //! tch-amp's default; `o3_apex_fp16_optimizer_state`) and with
@@ -78,11 +83,11 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn new(p: &nn::Path) -> Self {
+    fn new(p: &nn::Path, classes: i64) -> Self {
         Self {
             fc1: nn::linear(p / "fc1", 16, 32, Default::default()),
             bn1: nn::batch_norm1d(p / "bn1", 32, Default::default()),
-            fc2: nn::linear(p / "fc2", 32, 10, Default::default()),
+            fc2: nn::linear(p / "fc2", 32, classes, Default::default()),
         }
     }
 }
@@ -206,7 +211,7 @@ fn amp_config(run: &str) -> AmpConfig {
 fn build_model(fx: &Fixture, scenario: &str, net: &str, tag: &str) -> (VarStore, Net) {
     let vs = VarStore::new(Device::Cpu);
     let net = match net {
-        "mlp" => Net::Mlp(Mlp::new(&vs.root())),
+        "mlp" => Net::Mlp(Mlp::new(&vs.root(), fx.get(&format!("{scenario}/init/fc2.bias")).size()[0])),
         "cnn" => Net::Cnn(Cnn::new(&vs.root())),
         "transformer" => Net::Block(Block::new(&vs.root())),
         other => panic!("unknown model {other}"),
@@ -377,32 +382,45 @@ fn o3_apex_fp16_optimizer_state() {
 
 // ---- Gradient accumulation over two losses and two micro-batches ---------------------------------
 
-/// The reference's "accum" run `run`: the MLP with SGD momentum and two losses, each with its own
-/// scaler (`num_losses(2)`); per step both losses go backward on each of two micro-batches, the
-/// first micro-batch's passes with `delay_unscale`, then one `step`. Returns the mismatches.
-fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
-    let meta = &fx.meta_json("accumulation");
-    let (steps, micro, losses) = (
-        meta["steps"].as_i64().unwrap(),
-        meta["micro_batches"].as_i64().unwrap(),
-        meta["losses"].as_i64().unwrap() as usize,
-    );
+/// Loss `kind` of the reference's accumulation scenarios on the model output `out`.
+fn accum_loss(kind: &str, out: &Tensor, y: &Tensor) -> Tensor {
+    match kind {
+        "cross_entropy" => out.cross_entropy_for_logits(y),
+        // Python: 0.1 * (out ** 2).mean()
+        "square_mean" => out.pow_tensor_scalar(2).mean(None) * 0.1,
+        other => panic!("unknown loss {other}"),
+    }
+}
+
+/// The reference's accumulation run `scenario`/`run`: the MLP with SGD momentum and two losses,
+/// each with its own scaler (`num_losses(2)`); per step both losses go backward on each of two
+/// micro-batches, the first micro-batch's passes with `delay_unscale`, then (in "accum_shared")
+/// `clip_grad_norm(1.0)` on the masters, then one `step`. In "accum" each loss has its own forward
+/// and inputs; in "accum_shared" both come from one forward per micro-batch, loss 0 backward with
+/// the graph retained. Returns the mismatches.
+fn run_accum(fx: &Fixture, scenario: &str, run: &str, emulate: bool) -> Vec<String> {
+    let meta = &fx.meta_json("accumulation")[scenario];
+    let (steps, micro) = (meta["steps"].as_i64().unwrap(), meta["micro_batches"].as_i64().unwrap());
+    let kinds: Vec<&str> = meta["losses"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+    let losses = kinds.len();
+    let shared = meta["shared_forward"].as_bool().unwrap();
+    let clip = meta["clip"].as_f64();
     let level = match meta["runs"][run]["level"].as_str().unwrap() {
         "O1" => OptLevel::O1,
         "O2" => OptLevel::O2,
         other => panic!("unknown level {other}"),
     };
-    // (step, loss id) whose delayed pass gets the loss multiplied by the factor.
-    let inject: Vec<(i64, usize)> = meta["runs"][run]["inject"]
+    // (step, micro-batch, loss id) whose scale_loss gets the loss multiplied by the factor.
+    let inject: Vec<(i64, i64, usize)> = meta["runs"][run]["inject"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| (p[0].as_i64().unwrap(), p[1].as_u64().unwrap() as usize))
+        .map(|p| (p[0].as_i64().unwrap(), p[1].as_i64().unwrap(), p[2].as_u64().unwrap() as usize))
         .collect();
     let factor = meta["inject_factor"].as_f64().unwrap();
-    let tag = format!("accumulation {run} emulation {}", if emulate { "on" } else { "off" });
+    let tag = format!("{scenario} {run} emulation {}", if emulate { "on" } else { "off" });
 
-    let (vs, net) = build_model(fx, "accum", "mlp", &tag);
+    let (vs, net) = build_model(fx, scenario, "mlp", &tag);
     let config = AmpConfig::new(level)
         .num_losses(losses)
         .max_loss_scale(meta["runs"][run]["max_loss_scale"].as_f64().unwrap())
@@ -413,8 +431,8 @@ fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
     let sgd = nn::Sgd { momentum: meta["momentum"].as_f64().unwrap(), dampening: 0.0, wd: 0.0, nesterov: false };
     let mut opt = amp.optimizer(&vs, sgd, meta["lr"].as_f64().unwrap()).unwrap();
 
-    let prefix = if emulate { format!("accum/{run}+emulated/") } else { format!("accum/{run}/") };
-    let (xs, ys) = (fx.get("accum/x"), fx.get("accum/y"));
+    let prefix = if emulate { format!("{scenario}/{run}+emulated/") } else { format!("{scenario}/{run}/") };
+    let (xs, ys) = (fx.get(&format!("{scenario}/x")), fx.get(&format!("{scenario}/y")));
     let (want_loss, want_scale, want_skip) =
         (fx.get(&format!("{prefix}loss")), fx.get(&format!("{prefix}scale")), fx.get(&format!("{prefix}skipped")));
     let mut failures = Vec::new();
@@ -422,17 +440,31 @@ fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
         opt.zero_grad().unwrap();
         for mb in 0..micro {
             let delay_unscale = mb + 1 < micro;
+            // One forward per micro-batch, both losses from it (as the Python script computes
+            // them), or one forward per loss.
+            let batch_losses: Vec<Tensor> = if shared {
+                let out = model.forward_t(&xs.get(step).get(mb), true);
+                kinds.iter().map(|k| accum_loss(k, &out, &ys.get(step).get(mb))).collect()
+            } else {
+                Vec::new()
+            };
             for loss_id in 0..losses {
                 let at = [step, mb, loss_id as i64];
-                let out = model.forward_t(&xs.get(step).get(mb).get(loss_id as i64), true);
-                let loss = out.cross_entropy_for_logits(&ys.get(step).get(mb).get(loss_id as i64));
-                let user_loss = if delay_unscale && inject.contains(&(step, loss_id)) {
-                    &loss * factor
+                let loss = if shared {
+                    batch_losses[loss_id].shallow_clone()
                 } else {
-                    loss.shallow_clone()
+                    let out = model.forward_t(&xs.get(step).get(mb).get(loss_id as i64), true);
+                    accum_loss(kinds[loss_id], &out, &ys.get(step).get(mb).get(loss_id as i64))
                 };
+                let user_loss =
+                    if inject.contains(&(step, mb, loss_id)) { &loss * factor } else { loss.shallow_clone() };
                 let options = ScaleLossOptions { loss_id, delay_unscale };
-                let so = amp.scale_loss_with(&user_loss, &mut [&mut opt], options, |l| l.backward()).unwrap();
+                let retain_graph = shared && loss_id + 1 < losses;
+                let so = amp
+                    .f_scale_loss_with(&user_loss, &mut [&mut opt], options, |l| {
+                        tch_amp::optim::backward(l, retain_graph)
+                    })
+                    .unwrap();
                 let got = loss.detach().to_kind(Kind::Float);
                 let want = want_loss.get(step).get(mb).get(loss_id as i64);
                 if !bits_equal(&got, &want) {
@@ -447,6 +479,15 @@ fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
                 }
             }
         }
+        if let Some(max_norm) = clip {
+            // The reference keeps no norm at a skipped step (it reads gradients the skip drops).
+            let will_skip = opt.will_skip();
+            let norm = opt.clip_grad_norm(max_norm, 2.0).unwrap();
+            let want = fx.get(&format!("{prefix}norm")).double_value(&[step]);
+            if !will_skip && norm != want {
+                failures.push(format!("{tag}: step {step} gradient norm {norm} vs {want}"));
+            }
+        }
         let skipped = !opt.step().unwrap().stepped();
         if i64::from(skipped) != want_skip.int64_value(&[step]) {
             failures.push(format!("{tag}: step {step} skipped {skipped} vs reference"));
@@ -456,17 +497,26 @@ fn run_accum(fx: &Fixture, run: &str, emulate: bool) -> Vec<String> {
     failures
 }
 
-fn check_accum(runs: &[&str]) {
+fn check_accum(scenario: &str, runs: &[&str]) {
     tch::set_num_threads(1);
     let fx = Fixture::parse(reference());
     let mut failures = Vec::new();
     for run in runs {
         for emulate in [false, true] {
-            let f = run_accum(&fx, run, emulate);
-            println!(
-                "accumulation {run} emulation {emulate}: {}",
-                if f.is_empty() { "bit for bit" } else { "DIFFERS" }
-            );
+            let f = run_accum(&fx, scenario, run, emulate);
+            println!("{scenario} {run} emulation {emulate}: {}", if f.is_empty() { "bit for bit" } else { "DIFFERS" });
+            if emulate {
+                let (native, emulated) = (format!("{scenario}/{run}/"), format!("{scenario}/{run}+emulated/"));
+                let agree = fx
+                    .tensors
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&native))
+                    .all(|(k, t)| bits_equal(t, fx.get(&k.replacen(&native, &emulated, 1))));
+                println!(
+                    "  (reference: emulated and native fp16 kernels {} on this CPU)",
+                    if agree { "agree" } else { "differ" }
+                );
+            }
             failures.extend(f);
         }
     }
@@ -477,11 +527,27 @@ fn check_accum(runs: &[&str]) {
 /// delayed pass of loss 1 (caught by scaler 0's exit, which halves scale 0 only) and of loss 0.
 #[test]
 fn accumulation_two_scalers_delay_unscale_o1() {
-    check_accum(&["O1", "O1_inject", "O1_max3000_inject"]);
+    check_accum("accum", &["O1", "O1_inject", "O1_max3000_inject"]);
 }
 
 /// As the O1 test, under O2 (fp16 model, fp32 masters, fp32 batch norm).
 #[test]
 fn accumulation_two_scalers_delay_unscale_o2() {
-    check_accum(&["O2", "O2_inject", "O2_max3000_inject"]);
+    check_accum("accum", &["O2", "O2_inject", "O2_max3000_inject"]);
+}
+
+/// Two losses of one forward per micro-batch (loss 0 backward with the graph retained), the
+/// masters clipped to norm 1 before each step; an overflow injected into loss 1 of step 5 in the
+/// last micro-batch (scaler 1's exit finds it while adding the new gradient to the stashed one)
+/// or in the delayed one (scaler 0's exit finds it in the accumulated buffer). O1.
+#[test]
+fn accumulation_shared_forward_clipped_o1() {
+    check_accum("accum_shared", &["O1", "O1_inject", "O1_inject_delayed"]);
+}
+
+/// As the O1 test, under O2: micro-batch 0's gradients and loss 0's of micro-batch 1 accumulate
+/// in the fp16 model gradients and are unscaled together by 1/S0.
+#[test]
+fn accumulation_shared_forward_clipped_o2() {
+    check_accum("accum_shared", &["O2", "O2_inject", "O2_inject_delayed"]);
 }

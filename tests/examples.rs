@@ -234,12 +234,14 @@ fn memory_count_sees_masters_under_o2() {
     assert!(o2.masters > 0 && o2.weights < o0.weights, "{o2:?} vs {o0:?}");
     assert_eq!(o3.masters, 0);
     assert!(o3.total() < o0.total());
-    // Between backward and step O2 holds the fp16 gradients (the slice-wise step makes each
-    // fp32 master gradient a slice at a time): per fp16 parameter 2 (weight) + 4 (master) + 2
-    // (gradient) + 4 (momentum) = 12 bytes, O0's 4 + 4 + 4; batch norm and buffers are fp32 in
-    // both. So the totals are equal, and O2's gradients are O3's (fp16) plus batch norm's fp32.
-    assert_eq!(o2.total(), o0.total(), "{o2:?} vs {o0:?}");
-    assert!(o2.grads < o0.grads && o2.grads > o3.grads, "{o2:?} {o0:?} {o3:?}");
+    // Between backward and step O2 holds the fp32 master gradients (scale_loss made them and
+    // released the fp16 ones): per fp16 parameter 2 (weight) + 4 (master) + 4 (gradient) + 4
+    // (momentum) = 14 bytes, O0's 4 + 4 + 4; batch norm and buffers are fp32 in both. So O2's
+    // gradients are O0's, and its total is O0's plus the fp16 weights' 2 bytes each (what the
+    // weights shrank by), while O3's gradients are fp16.
+    assert_eq!(o2.grads, o0.grads, "{o2:?} vs {o0:?}");
+    assert_eq!(o2.total() - o0.total(), o0.weights - o2.weights, "{o2:?} vs {o0:?}");
+    assert!(o3.grads < o2.grads, "{o3:?} {o2:?}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -805,4 +807,25 @@ fn torch_amp_runs_the_typical_loop_with_a_grad_scaler() {
     );
     assert!(out.contains("grad_scaler: true") && out.contains("test accuracy"), "{out}");
     assert!(out.contains("4 steps"), "{out}");
+}
+
+#[test]
+fn float8_trains_saves_and_resumes_with_delayed_scaling() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let ckpt = dir.path().join("fp8.safetensors");
+    let common = ["--data", s(data.path()), "--train-size", "128", "--test-size", "64", "-b", "32", "--hidden", "32"];
+    let first: Vec<&str> =
+        common.iter().copied().chain(["--recipe", "delayed", "--autocast", "--checkpoint", s(&ckpt)]).collect();
+    let out = run_ok("float8", &first);
+    assert!(out.contains("float8 layers: [\"fc1\", \"fc2\"]") && out.contains("test accuracy"), "{out}");
+    assert!(out.contains("4 steps") && out.contains("checkpoint written"), "{out}");
+    let second: Vec<&str> = common.iter().copied().chain(["--recipe", "delayed", "--resume", s(&ckpt)]).collect();
+    let out = run_ok("float8", &second);
+    assert!(out.contains("resumed from") && out.contains("test accuracy"), "{out}");
+    let out = run_ok("float8", &common.iter().copied().chain(["--recipe", "rowwise"]).collect::<Vec<_>>());
+    assert!(out.contains("recipe rowwise"), "{out}");
+    let out = run("float8", &common.iter().copied().chain(["--recipe", "blockwise"]).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("recipe_name"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -1258,3 +1258,63 @@ fn fuzz_generated_pickles_stay_bounded() {
         .unwrap();
     eprintln!("fuzz (generated pickles): 3000 cases in {:.2} s", start.elapsed().as_secs_f64());
 }
+
+/// A torch.save zip whose data.pkl is `pickle` (protocol 2).
+fn pickle_file(pickle: &[u8]) -> Vec<u8> {
+    zip_of(&[("data.pkl", pickle)])
+}
+
+/// A pickle of `depth` nested containers: `open` makes one, `item` (if any) goes before the
+/// inner container, `close` puts it in its parent once per level.
+fn nested(depth: usize, open: &[u8], item: &[u8], innermost: &[u8], close: &[u8]) -> Vec<u8> {
+    let mut p = b"\x80\x02".to_vec();
+    for _ in 0..depth {
+        p.extend_from_slice(open);
+        p.extend_from_slice(item);
+    }
+    p.extend_from_slice(innermost);
+    for _ in 0..depth {
+        p.extend_from_slice(close);
+    }
+    p.push(b'.');
+    p
+}
+
+/// The hostile files that overflowed the stack: a dict that contains itself (`EMPTY_DICT,
+/// BINPUT 0, 'me', BINGET 0, SETITEM`), 10^5 nested empty dicts, and 10^6-deep lists, tuples and
+/// dicts. Each is a typed error in the test thread's small stack, and nothing aborts.
+#[test]
+fn self_containing_and_very_deep_files_are_typed_errors() {
+    let opts = LoadOptions::new();
+    let too_deep = |e: &TorchIoError| matches!(e, TorchIoError::TooDeep { limit: 256, .. });
+    let me = b"X\x02\x00\x00\x00me";
+    let cycle = [b"\x80\x02}q\x00".as_slice(), me, b"h\x00s."].concat();
+    assert_err(torch_io::load_bytes(&pickle_file(&cycle), &opts), too_deep, "a dict that contains itself");
+    let k = b"X\x01\x00\x00\x00k";
+    let cases = [
+        (nested(100_000, b"}", k, b"}", b"s"), "10^5 nested empty dicts"),
+        (nested(1_000_000, b"}", k, b"}", b"s"), "a 10^6-deep dict"),
+        (nested(1_000_000, b"]", b"", b"]", b"a"), "a 10^6-deep list"),
+        (nested(1_000_000, b"(", b"", b")", b"t"), "a 10^6-deep tuple"),
+    ];
+    for (pickle, what) in &cases {
+        assert_err(torch_io::load_bytes(&pickle_file(pickle), &opts), too_deep, what);
+    }
+    // Just under the limit reads, and the tree can be compared, printed, cloned, written and
+    // dropped without recursion limits of its own.
+    let ok = nested(255, b"}", k, b"}", b"s");
+    let v = torch_io::load_bytes(&pickle_file(&ok), &opts).expect("255 levels read");
+    let copy = v.shallow_clone();
+    // Each level prints its key once.
+    assert_eq!(format!("{v:?}").matches("\"k\"").count(), 255);
+    assert_eq!(format!("{copy:?}"), format!("{v:?}"));
+    let bytes = torch_io::save_bytes(&copy).expect("255 levels write");
+    let back = torch_io::load_bytes(&bytes, &opts).unwrap();
+    assert_eq!(format!("{back:?}"), format!("{v:?}"));
+    // A tree far deeper than the limit, built in Rust, drops without recursion.
+    let mut deep = Value::None;
+    for _ in 0..1_000_000 {
+        deep = Value::List(vec![deep]);
+    }
+    drop(deep);
+}

@@ -38,19 +38,27 @@ In runs with a dynamic loss scale, the loss given to scale_loss is multiplied by
 steps per scenario (INJECT): the scaled fp16 gradients overflow to inf, so those steps are
 skipped and the scale halves.
 
-Gradient accumulation ("accum", train_accum): the MLP above with SGD(lr=0.1, momentum=0.9), two
-losses with a scaler each (num_losses=2), 12 steps; each step both losses go backward on each of
-two micro-batches of 16 (one forward per loss and micro-batch), the first micro-batch's passes
-with delay_unscale=True, then one step. Apex's path as it runs without amp_C: a delayed exit
-touches no scaler; the first non-delayed entry sets nothing aside (the gradients are still
-scaled), so loss 0's exit unscales the whole accumulated buffer, loss 1's delayed gradient
-included, by 1/S0; loss 1's entry sets the gradients aside (under O2 the fp32 master gradients
-hold them) and its exit makes `a * new + b * stashed` with a = 1/S1, b = 1 (two rounded fp32
-products, then a rounded add); an overflow hidden in a delayed pass is caught by scaler 0.
-Runs at O1 and O2, without and with overflows injected into delayed passes, and with
-max_loss_scale=3000 (both scales start at 3000, so 1/scale is inexact); each also "+emulated".
-Checked bit for bit against Apex e13873de's own amp on this script's data (its Python paths on
-CPU, with Apex's CUDA type checks answered for CPU tensors): every run without "+emulated".
+Gradient accumulation (train_accum), two scenarios of the MLP above with SGD(lr=0.1,
+momentum=0.9) and two losses with a scaler each (num_losses=2); each step both losses go backward
+on each of two micro-batches, the first micro-batch's passes with delay_unscale=True, then one
+step. "accum": 12 steps, micro-batches of 16, one forward per loss and micro-batch, both losses
+cross entropy. "accum_shared": 16 steps, micro-batches of 32, fc2 32->4, one forward per
+micro-batch and both losses from it (loss 0 = cross entropy, backward with retain_graph; loss 1 =
+0.1 * (out ** 2).mean()), then clip_grad_norm_(amp.master_params(optimizer), 1.0) before the step.
+Apex's path as it runs without amp_C: a delayed exit touches no scaler; the first non-delayed
+entry sets nothing aside (params_have_scaled_gradients: the gradients are still scaled), so loss
+0's backward accumulates on top of micro-batch 0's gradients (under O2 in the fp16 model
+gradients) and its exit unscales the whole buffer, loss 1's delayed gradient included, by 1/S0;
+loss 1's entry sets the gradients aside (under O2 the fp32 master gradients hold them) and its exit
+makes `a * new + b * stashed` with a = 1/S1, b = 1 (two rounded fp32 products, then a rounded add);
+an overflow hidden in a delayed pass is caught by scaler 0. "accum" runs at O1 and O2, without and
+with overflows injected into delayed passes (the loss times 2^15), and with max_loss_scale=3000
+(both scales start at 3000, so 1/scale is inexact). "accum_shared" runs at O1 and O2, without and
+with loss 1 of step 5 multiplied by 1e6 in the last micro-batch (scaler 1 finds the overflow in the
+stash path) or in the delayed one (scaler 0 finds it). Each run also "+emulated". Checked bit for
+bit against Apex e13873de's own amp on this script's data (its Python paths on CPU, with Apex's
+CUDA type checks answered for CPU tensors, libtorch's native fp16 kernels on both sides): every
+run without "+emulated".
 
 Every run except O0 is also made a second time, "<run>+emulated", with tch-amp's CPU emulation
 contract for the GEMMs and convolutions (linear, conv2d, matmul: fp32 compute of the rounded
@@ -61,9 +69,13 @@ variables, tch VarStore names), `<scenario>/x` [steps, ...], `<scenario>/y` [ste
 per run `<scenario>/<run>/loss` [steps] fp32, `/scale` [steps] fp64 (the scale of that step's
 scale_loss), `/skipped` [steps] uint8, `/final/<var>` (every model variable at the end, in its
 model dtype) and `/master/<var>` (fp32 masters of fp16 parameters). Metadata "scenarios": JSON
-with each scenario's steps, injection steps, optimizer and runs. The accumulation writes the same
-under `accum/` with `loss` and `scale` of shape [steps, micro-batches, losses] (one per
-scale_loss call); metadata "accumulation" has its runs (level, max_loss_scale, injections).
+with each scenario's steps, injection steps, optimizer and runs. The accumulation scenarios write
+the same under `accum/` and `accum_shared/` with `loss` and `scale` of shape [steps,
+micro-batches, losses] (one per scale_loss call), x and y with a loss axis after the micro-batch
+one where each loss has its own forward, and, where the scenario clips, `norm` [steps] fp32 (the
+norm clip_grad_norm_ returned; NaN at skipped steps, whose gradients the skip discards); metadata
+"accumulation" has per scenario its losses, shared_forward, clip, inject_factor and runs (level,
+max_loss_scale, injections as [step, micro-batch, loss id]).
 
     $TCH_AMP_PYTHON scripts/reference/apex_reference.py --threads 1 --out ref.safetensors
 """
@@ -160,6 +172,9 @@ class Ops:
     def cross_entropy(self, logits, y):  # FP32_FUNCS
         return F.cross_entropy(to_float(logits) if self.o1 else logits, y)
 
+    def pow(self, x, e):  # FP32_FUNCS (Tensor.__pow__)
+        return (to_float(x) if self.o1 else x) ** e
+
 
 def batch_norm(P, name, x):
     # In no list: the input's dtype with the module's parameters as they are.
@@ -168,7 +183,7 @@ def batch_norm(P, name, x):
 
 
 # ---- Models -----------------------------------------------------------------------------------
-def mlp_init(g):
+def mlp_init(g, classes=10):
     return {
         "fc1.weight": torch.randn(32, 16, generator=g) / 4.0,
         "fc1.bias": torch.randn(32, generator=g) * 0.1,
@@ -176,8 +191,8 @@ def mlp_init(g):
         "bn1.bias": 0.1 * torch.randn(32, generator=g),
         "bn1.running_mean": torch.zeros(32),
         "bn1.running_var": torch.ones(32),
-        "fc2.weight": torch.randn(10, 32, generator=g) / math.sqrt(32),
-        "fc2.bias": torch.randn(10, generator=g) * 0.1,
+        "fc2.weight": torch.randn(classes, 32, generator=g) / math.sqrt(32),
+        "fc2.bias": torch.randn(classes, generator=g) * 0.1,
     }
 
 
@@ -367,12 +382,12 @@ def train(sc, init, xs, ys, run, emulate=False):
 # Apex's accumulation path (apex/amp/{handle,scaler,_process_optimizer}.py at e13873de) as it runs
 # on CPU without amp_C (the Python fallbacks): two losses, each with its own scaler (num_losses=2),
 # both backward on each of two micro-batches; the first micro-batch's passes use
-# delay_unscale=True, then one optimizer step.
-ACCUM_INJECT = [(2, 1), (6, 0)]
+# delay_unscale=True, then one optimizer step. Injections are (step, micro-batch, loss id): that
+# scale_loss gets the loss multiplied by the scenario's inject_factor.
+ACCUM_INJECT = [(2, 0, 1), (6, 0, 0)]
 ACCUM_RUNS = {
-    # name: (level, max_loss_scale, injections: (step, loss id) whose delayed pass gets the loss
-    # multiplied by INJECT_FACTOR). A max_loss_scale of 3000 starts both scalers at 3000, so that
-    # 1/scale is inexact and the order and rounding of the unscale arithmetic shows.
+    # name: (level, max_loss_scale, injections). A max_loss_scale of 3000 starts both scalers at
+    # 3000, so that 1/scale is inexact and the order and rounding of the unscale arithmetic shows.
     "O1": ("O1", MAX_SCALE, []),
     "O2": ("O2", MAX_SCALE, []),
     "O1_inject": ("O1", MAX_SCALE, ACCUM_INJECT),
@@ -380,8 +395,41 @@ ACCUM_RUNS = {
     "O1_max3000_inject": ("O1", 3000.0, ACCUM_INJECT),
     "O2_max3000_inject": ("O2", 3000.0, ACCUM_INJECT),
 }
-ACCUM = dict(init=mlp_init, forward=mlp_forward, steps=12, micro_batches=2, losses=2, x=[16, 16], classes=10,
-             optimizer=("SGD", dict(lr=0.1, momentum=0.9)))
+# One forward per micro-batch and both losses from its output (loss 0 backward with
+# retain_graph), loss 1 = 0.1 * (out ** 2).mean(), the master gradients clipped before the step.
+# The injection hits loss 1 of step 5 in the last (non-delayed) micro-batch, where scaler 1's exit
+# adds the new gradient to the stashed one and finds the overflow, or in the delayed one, where
+# scaler 0's exit finds it in the accumulated buffer.
+ACCUM_SHARED_RUNS = {
+    "O1": ("O1", MAX_SCALE, []),
+    "O2": ("O2", MAX_SCALE, []),
+    "O1_inject": ("O1", MAX_SCALE, [(5, 1, 1)]),
+    "O2_inject": ("O2", MAX_SCALE, [(5, 1, 1)]),
+    "O1_inject_delayed": ("O1", MAX_SCALE, [(5, 0, 1)]),
+    "O2_inject_delayed": ("O2", MAX_SCALE, [(5, 0, 1)]),
+}
+ACCUM_SCENARIOS = {
+    # losses: one kind per loss id; shared_forward: both losses from one forward per micro-batch
+    # (else each loss has its own forward and inputs); clip: clip_grad_norm_(amp.master_params(opt),
+    # clip) before each step (None: no clipping).
+    "accum": dict(init=mlp_init, forward=mlp_forward, steps=12, micro_batches=2,
+                  losses=["cross_entropy", "cross_entropy"], shared_forward=False, clip=None, x=[16, 16],
+                  classes=10, seed=2025, inject_factor=INJECT_FACTOR, runs=ACCUM_RUNS,
+                  optimizer=("SGD", dict(lr=0.1, momentum=0.9))),
+    "accum_shared": dict(init=mlp_init, forward=mlp_forward, steps=16, micro_batches=2,
+                         losses=["cross_entropy", "square_mean"], shared_forward=True, clip=1.0, x=[32, 16],
+                         classes=4, seed=2026, inject_factor=1e6, runs=ACCUM_SHARED_RUNS,
+                         optimizer=("SGD", dict(lr=0.1, momentum=0.9))),
+}
+
+
+def accum_loss(kind, out, y, ops):
+    if kind == "cross_entropy":
+        return ops.cross_entropy(out, y)
+    if kind == "square_mean":
+        # 0.1 * (out ** 2).mean(): `**` is on Apex's O1 FP32 list, mean and `0.1 *` on none.
+        return 0.1 * ops.pow(out, 2).mean()
+    raise ValueError(kind)
 
 
 class Scaler:
@@ -459,8 +507,9 @@ def unscale_self_mastered(scaler, params, stash):
 
 
 def train_accum(sc, init, xs, ys, run, emulate=False):
-    level, max_scale, injections = ACCUM_RUNS[run]
+    level, max_scale, injections = sc["runs"][run]
     masters_on = level == "O2"
+    n_losses = len(sc["losses"])
     P = {}
     for n, t in init.items():
         t = t.clone()
@@ -475,9 +524,16 @@ def train_accum(sc, init, xs, ys, run, emulate=False):
     kind, kw = sc["optimizer"]
     opt = getattr(torch.optim, kind)([stepped[n] for n in params], **kw)
     ops = Ops(level == "O1", emulate)
-    scalers = [Scaler(max_scale) for _ in range(sc["losses"])]
+    scalers = [Scaler(max_scale) for _ in range(n_losses)]
     stash = [None for _ in own]  # gradients of `own` set aside at a non-delayed entry
-    losses, scales, skipped = [], [], []
+    losses, scales, skipped, norms = [], [], [], []
+
+    def forward(x):
+        if masters_on:
+            x = x.half()  # patched forward: floating inputs to fp16 ...
+        out = sc["forward"](P, x, ops)
+        return out.float() if masters_on else out  # ... and outputs to fp32
+
     for step in range(sc["steps"]):
         # zero_grad: under O2 Apex's patched zero_grad zeroes the model gradients in place and
         # drops the master gradients; under O1 torch.optim's drops every gradient.
@@ -491,24 +547,26 @@ def train_accum(sc, init, xs, ys, run, emulate=False):
         skip = False
         for mb in range(sc["micro_batches"]):
             delay = mb + 1 < sc["micro_batches"]
+            if sc["shared_forward"]:
+                out = forward(xs[step, mb])
+                batch_losses = [accum_loss(k, out, ys[step, mb], ops) for k in sc["losses"]]
             for loss_id, scaler in enumerate(scalers):
+                if sc["shared_forward"]:
+                    loss = batch_losses[loss_id]
+                else:
+                    out = forward(xs[step, mb, loss_id])
+                    loss = accum_loss(sc["losses"][loss_id], out, ys[step, mb, loss_id], ops)
                 if not delay and not scaled_grads:
                     # Entry: set the existing gradients aside.
                     for n in half:
                         P[n].grad = None  # the fp32 master gradients hold them
                     for i, p in enumerate(own):
                         stash[i], p.grad = p.grad, None
-                x = xs[step, mb, loss_id]
-                if masters_on:
-                    x = x.half()
-                out = sc["forward"](P, x, ops)
-                if masters_on:
-                    out = out.float()
-                loss = ops.cross_entropy(out, ys[step, mb, loss_id])
                 losses.append(loss.detach().float().clone())
                 scales.append(scaler.scale)
-                user_loss = loss * INJECT_FACTOR if delay and (step, loss_id) in injections else loss
-                (user_loss.float() * scaler.scale).backward()
+                user_loss = loss * sc["inject_factor"] if (step, mb, loss_id) in injections else loss
+                retain = sc["shared_forward"] and loss_id + 1 < n_losses
+                (user_loss.float() * scaler.scale).backward(retain_graph=retain)
                 if delay:
                     scaled_grads = True
                     continue
@@ -530,6 +588,12 @@ def train_accum(sc, init, xs, ys, run, emulate=False):
                     unscale_self_mastered(scaler, own, stash)
                 scaled_grads = False
                 skip = scaler.update() or skip
+        if sc["clip"] is not None:
+            # The user's clip_grad_norm_(amp.master_params(optimizer), clip): the optimizer's
+            # parameters in its order (the model's). At a skipped step it reads gradients the
+            # skip discards (under O2 partly uninitialised memory), so its norm is not kept.
+            norm = torch.nn.utils.clip_grad_norm_([stepped[n] for n in params], sc["clip"])
+            norms.append(math.nan if skip else float(norm))
         skipped.append(1 if skip else 0)
         if not skip:
             opt.step()
@@ -539,15 +603,29 @@ def train_accum(sc, init, xs, ys, run, emulate=False):
         for n in half:
             stepped[n].grad = None  # Apex's step and skipped step both drop the master gradients
     result = {
-        "loss": torch.stack(losses).reshape(sc["steps"], sc["micro_batches"], sc["losses"]),
-        "scale": torch.tensor(scales, dtype=torch.float64).reshape(sc["steps"], sc["micro_batches"], sc["losses"]),
+        "loss": torch.stack(losses).reshape(sc["steps"], sc["micro_batches"], n_losses),
+        "scale": torch.tensor(scales, dtype=torch.float64).reshape(sc["steps"], sc["micro_batches"], n_losses),
         "skipped": torch.tensor(skipped, dtype=torch.uint8),
     }
+    if sc["clip"] is not None:
+        result["norm"] = torch.tensor(norms, dtype=torch.float32)
     for n, t in P.items():
         result["final/" + n] = t.detach().clone()
     for n in half:
         result["master/" + n] = stepped[n].detach().clone()
     return result
+
+
+def accum_data(sc):
+    """The initial variables, inputs and targets of an accumulation scenario: x [steps,
+    micro-batches, (losses,) batch, 16], y [steps, micro-batches, (losses,) batch] (a loss axis
+    when each loss has its own forward)."""
+    g = torch.Generator().manual_seed(sc["seed"])
+    init = sc["init"](g, sc["classes"])
+    shape = [sc["steps"], sc["micro_batches"]] + ([] if sc["shared_forward"] else [len(sc["losses"])])
+    xs = torch.randn(shape + sc["x"], generator=g)
+    ys = torch.randint(0, sc["classes"], shape + sc["x"][:1], generator=g)
+    return init, xs, ys
 
 
 def main():
@@ -556,7 +634,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--accum-runs", default=",".join(ACCUM_RUNS))
+    ap.add_argument("--accum-runs", default=",".join(f"{n}/{r}" for n, sc in ACCUM_SCENARIOS.items() for r in sc["runs"]),
+                    help="accumulation runs as scenario/run")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out, meta = {}, {}
@@ -580,28 +659,26 @@ def main():
         kind, kw = sc["optimizer"]
         meta[name] = {"steps": sc["steps"], "inject": sc["inject"], "optimizer": kind, **kw, "runs": runs,
                       "inject_factor": INJECT_FACTOR}
-    accum_runs = [r for r in a.accum_runs.split(",") if r]
-    if accum_runs:
-        sc = ACCUM
-        g = torch.Generator().manual_seed(2025)
-        init = sc["init"](g)
-        shape = [sc["steps"], sc["micro_batches"], sc["losses"]]
-        xs = torch.randn(shape + sc["x"], generator=g)
-        ys = torch.randint(0, sc["classes"], shape + sc["x"][:1], generator=g)
-        for n, t in init.items():
-            out[f"accum/init/{n}"] = t
-        out["accum/x"] = xs
-        out["accum/y"] = ys
-        for run in accum_runs:
-            for k, t in train_accum(sc, init, xs, ys, run).items():
-                out[f"accum/{run}/{k}"] = t.contiguous()
-            for k, t in train_accum(sc, init, xs, ys, run, emulate=True).items():
-                out[f"accum/{run}+emulated/{k}"] = t.contiguous()
-    kind, kw = ACCUM["optimizer"]
-    accum_meta = {"steps": ACCUM["steps"], "micro_batches": ACCUM["micro_batches"], "losses": ACCUM["losses"],
-                  "optimizer": kind, **kw, "inject_factor": INJECT_FACTOR,
-                  "runs": {r: {"level": ACCUM_RUNS[r][0], "max_loss_scale": ACCUM_RUNS[r][1], "inject": ACCUM_RUNS[r][2]}
-                           for r in accum_runs}}
+    accum_meta = {}
+    for entry in [r for r in a.accum_runs.split(",") if r]:
+        name, run = entry.split("/")
+        sc = ACCUM_SCENARIOS[name]
+        if name not in accum_meta:
+            init, xs, ys = accum_data(sc)
+            for n, t in init.items():
+                out[f"{name}/init/{n}"] = t
+            out[f"{name}/x"] = xs
+            out[f"{name}/y"] = ys
+            kind, kw = sc["optimizer"]
+            accum_meta[name] = {"steps": sc["steps"], "micro_batches": sc["micro_batches"], "losses": sc["losses"],
+                                "shared_forward": sc["shared_forward"], "clip": sc["clip"], "optimizer": kind, **kw,
+                                "inject_factor": sc["inject_factor"], "runs": {}}
+        level, max_scale, inject = sc["runs"][run]
+        accum_meta[name]["runs"][run] = {"level": level, "max_loss_scale": max_scale, "inject": inject}
+        for k, t in train_accum(sc, init, xs, ys, run).items():
+            out[f"{name}/{run}/{k}"] = t.contiguous()
+        for k, t in train_accum(sc, init, xs, ys, run, emulate=True).items():
+            out[f"{name}/{run}+emulated/{k}"] = t.contiguous()
     data = save(out, metadata={"scenarios": json.dumps(meta), "accumulation": json.dumps(accum_meta),
                                "torch": torch.__version__, "threads": str(a.threads)})
     if a.out == "-":

@@ -1,11 +1,8 @@
 //! Turning O1's casts off for a region (Apex's `disable_casts`).
-use std::marker::PhantomData;
-
 use tch::Device;
 
-use super::autocast::{autocast_state, AutocastGuard};
+use super::scope::{autocast_state, AutocastScope, Owner, PolicyChange};
 use crate::error::Result;
-use crate::sys::cast::{self as engine, SavedPolicy};
 
 /// While alive, the current thread runs with no cast policy and with libtorch's autocast off
 /// for CPU and CUDA: every op runs in its inputs' dtypes, as in plain tch. Dropping it restores
@@ -14,11 +11,9 @@ use crate::sys::cast::{self as engine, SavedPolicy};
 #[must_use = "casts come back as soon as the guard is dropped"]
 #[derive(Debug)]
 pub struct DisableCastsGuard {
-    // Field order is drop order: the policy comes back first, then autocast.
-    _saved: SavedPolicy,
-    _cpu: AutocastGuard,
-    _cuda: AutocastGuard,
-    _not_send: PhantomData<*const ()>,
+    // Field order is drop order: the CPU scope (which also cleared the policy) ends first.
+    _cpu: AutocastScope,
+    _cuda: AutocastScope,
 }
 
 /// Turns casts off on the current thread until the guard is dropped (see
@@ -27,10 +22,12 @@ pub struct DisableCastsGuard {
 /// # Errors
 /// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses the autocast change.
 pub fn disable_casts() -> Result<DisableCastsGuard> {
-    let cpu = AutocastGuard::new(Device::Cpu, false, autocast_state(Device::Cpu)?.dtype)?;
-    let cuda = AutocastGuard::new(Device::Cuda(0), false, autocast_state(Device::Cuda(0))?.dtype)?;
-    let saved = engine::activate(None)?;
-    Ok(DisableCastsGuard { _saved: saved, _cpu: cpu, _cuda: cuda, _not_send: PhantomData })
+    let off = |device: Device, policy| {
+        AutocastScope::enter(device, false, autocast_state(device)?.dtype, None, policy, Owner::Engine, None)
+    };
+    let cuda = off(Device::Cuda(0), PolicyChange::Keep)?;
+    let cpu = off(Device::Cpu, PolicyChange::Clear)?;
+    Ok(DisableCastsGuard { _cpu: cpu, _cuda: cuda })
 }
 
 /// Runs `f` with casts off (see [`disable_casts`]); they come back afterwards, also when `f`

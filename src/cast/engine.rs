@@ -11,19 +11,17 @@
 use crate::error::{ConfigError, UsageError};
 use std::collections::HashMap;
 use std::ffi::c_int;
-use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::{Lazy, OnceCell};
 use tch::{Device, Kind};
 
-use super::autocast::AutocastGuard;
 use super::cpu::{CpuKernelChoice, CpuKernels, OpClass};
 use super::emulation::emulated_op_table;
 use super::policy::CastPolicy;
+use super::scope::{torch_autocast_active, AutocastScope, Owner, PolicyChange};
 use super::settings::CastSettings;
 use crate::error::{AmpError, Result};
-pub(crate) use crate::sys::cast::SavedPolicy;
 use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr};
 
 /// One op of a policy being built: device, category, op, emulation bits.
@@ -38,7 +36,7 @@ struct Installed {
 }
 
 /// An installed cast policy. Clones share it; it is released when the last clone and the last
-/// [`ActivePolicyGuard`] are gone (tch-amp's kernels stay registered).
+/// [`AutocastScope`] activating it are gone (tch-amp's kernels stay registered).
 #[must_use = "the policy is released as soon as the handle is dropped"]
 #[derive(Debug, Clone)]
 pub struct PolicyHandle {
@@ -147,17 +145,21 @@ fn install_entries(mut owned: Vec<OwnedEntry>, allow_banned: bool, torch_autocas
 }
 
 /// torch.amp's autocast with the classes that `choice` (resolved) emulates of `kind`'s (`Half`
-/// or `BFloat16`) CPU ops: libtorch's own autocast kernels for every other op. Installed once per
+/// or `BFloat16`) CPU ops: libtorch's own autocast kernels for every other op. `None` when
+/// `choice` emulates no class (libtorch's own kernels throughout: no policy). Installed once per
 /// type and set of emulated classes, for the life of the process (at most 14).
-fn torch_autocast_policy(kind: Kind, choice: CpuKernelChoice) -> Result<Arc<PolicyPtr>> {
+pub(crate) fn torch_autocast_policy(kind: Kind, choice: CpuKernelChoice) -> Result<Option<&'static PolicyPtr>> {
     /// Keyed by (fp16?, which classes are emulated).
-    type Policies = HashMap<(bool, [bool; 3]), Arc<PolicyPtr>>;
+    type Policies = HashMap<(bool, [bool; 3]), &'static PolicyPtr>;
     static POLICIES: Lazy<Mutex<Policies>> = Lazy::new(Default::default);
     let emulated = OpClass::ALL.map(|c| choice.get(c) == CpuKernels::Emulate);
+    if !emulated.contains(&true) {
+        return Ok(None);
+    }
     let key = (kind == Kind::Half, emulated);
     let mut policies = POLICIES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = policies.get(&key) {
-        return Ok(Arc::clone(p));
+        return Ok(Some(*p));
     }
     let bit = if kind == Kind::Half { engine::EMULATE_HALF } else { engine::EMULATE_BFLOAT16 };
     let mut owned: Vec<OwnedEntry> = CastPolicy::torch_native()
@@ -166,20 +168,10 @@ fn torch_autocast_policy(kind: Kind, choice: CpuKernelChoice) -> Result<Arc<Poli
         .map(|(op, cast)| (Device::Cpu, cast.engine_category(), op, 0))
         .collect();
     owned.extend(emulation_entries(|class| if choice.get(class) == CpuKernels::Emulate { bit } else { 0 })?);
-    let ptr = Arc::new(install_entries(owned, false, true)?);
-    policies.insert(key, Arc::clone(&ptr));
-    Ok(ptr)
-}
-
-/// Makes torch.amp autocast's CPU emulation of the classes of `kind` that `choice` (resolved)
-/// emulates the calling thread's policy (none emulated: no policy, libtorch's own kernels) until
-/// the returned state is restored.
-pub(crate) fn activate_torch_autocast(kind: Kind, choice: CpuKernelChoice) -> Result<SavedPolicy> {
-    if OpClass::ALL.iter().all(|c| choice.get(*c) != CpuKernels::Emulate) {
-        return engine::activate(None);
-    }
-    let policy = torch_autocast_policy(kind, choice)?;
-    engine::activate(Some(&policy))
+    // Kept for the life of the process (one per key), so activations may borrow it.
+    let ptr: &'static PolicyPtr = Box::leak(Box::new(install_entries(owned, false, true)?));
+    policies.insert(key, ptr);
+    Ok(Some(ptr))
 }
 
 impl PolicyHandle {
@@ -196,20 +188,25 @@ impl PolicyHandle {
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a device other than CPU/CUDA;
     /// [`AmpError::Torch`](crate::AmpError::Torch) when libtorch refuses;
-    /// [`UsageError::TorchAutocastActive`] while a torch.amp autocast scope
+    /// [`UsageError::AutocastConflict`] while a torch.amp autocast scope
     /// ([`crate::AutocastScope`]) is alive on this thread.
-    pub fn activate(&self, device: Device) -> Result<ActivePolicyGuard> {
-        if super::autocast::torch_autocast_active() {
-            return Err(AmpError::Usage(UsageError::TorchAutocastActive));
+    pub fn activate(&self, device: Device) -> Result<AutocastScope> {
+        if torch_autocast_active() {
+            return Err(AmpError::Usage(UsageError::AutocastConflict {
+                entering: "tch-amp's Apex cast policy",
+                active: "torch.amp autocast",
+            }));
         }
-        let autocast = AutocastGuard::new(device, true, self.inner.settings.low_precision_dtype)?;
-        let saved = engine::activate(Some(&self.inner.ptr))?;
-        Ok(ActivePolicyGuard {
-            saved: Some(saved),
-            _autocast: autocast,
-            _installed: Arc::clone(&self.inner),
-            _not_send: PhantomData,
-        })
+        let keep: Arc<Installed> = Arc::clone(&self.inner);
+        AutocastScope::enter(
+            device,
+            true,
+            self.inner.settings.low_precision_dtype,
+            None,
+            PolicyChange::Activate(&self.inner.ptr),
+            Owner::Engine,
+            Some(keep),
+        )
     }
 
     /// Runs `f` with this policy active on the calling thread for `device`'s type (see
@@ -230,28 +227,6 @@ impl PolicyHandle {
     /// The settings it was installed with.
     pub fn settings(&self) -> CastSettings {
         self.inner.settings
-    }
-}
-
-/// A policy active on the current thread (see [`PolicyHandle::activate`]). Not `Send`:
-/// activation is per thread, like libtorch's autocast state.
-#[must_use = "the policy is deactivated as soon as the guard is dropped"]
-#[derive(Debug)]
-pub struct ActivePolicyGuard {
-    saved: Option<SavedPolicy>,
-    // Dropped after `saved` is restored (in `drop`): restores libtorch's autocast state.
-    _autocast: AutocastGuard,
-    _installed: Arc<Installed>,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl Drop for ActivePolicyGuard {
-    fn drop(&mut self) {
-        if let Some(saved) = self.saved.take() {
-            if saved.restore().unwrap_or(false) {
-                let _ = super::cache::clear_cast_cache();
-            }
-        }
     }
 }
 

@@ -13,12 +13,19 @@ use crate::config::OptLevel;
 use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
-use crate::scaling::AmpState;
+use crate::scaling::{AmpState, CheckpointScalers};
+use crate::torch_io::{Dict, Key, Value};
 
-const FORMAT: &str = "tch-amp-checkpoint/4";
+const FORMAT: &str = "tch-amp-checkpoint/5";
+/// The format before checkpoints without an `Amp` (torch.amp's GradScalers, or none): an opt
+/// level and Apex's scalers always; still read.
+const FORMAT_4: &str = "tch-amp-checkpoint/4";
 /// The format before parameter groups had hyper-parameters (per-group learning rates only);
 /// still read.
 const FORMAT_3: &str = "tch-amp-checkpoint/3";
+/// The tensor holding torch.amp's scaler state (format 5, no `Amp`): the bytes of the
+/// `torch.save` file of `scaler.state_dict()` (a list of them for several scalers).
+const SCALER_TENSOR: &str = "scaler";
 const METADATA_KEY: &str = "tch_amp";
 
 /// The checkpoint's metadata. Every field is required; unknown fields are an error.
@@ -26,8 +33,12 @@ const METADATA_KEY: &str = "tch_amp";
 #[serde(deny_unknown_fields)]
 struct Metadata {
     format: String,
-    opt_level: OptLevel,
-    amp: AmpState,
+    /// The `Amp`'s opt level (absent in a format-5 checkpoint saved without an `Amp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    opt_level: Option<OptLevel>,
+    /// The `Amp`'s scalers (absent without an `Amp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    amp: Option<AmpState>,
     optimizers: Vec<OptimizerMeta>,
     /// The caller's value of [`TrainingState`] (absent when null).
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
@@ -45,6 +56,76 @@ pub struct TrainingState {
     pub tensors: BTreeMap<String, Tensor>,
     /// Any JSON value (`serde_json::json!({"epoch": 3, "best_acc": 0.91})`); null saves none.
     pub value: serde_json::Value,
+}
+
+impl TrainingState {
+    /// Adds a component's state tree (a [`Value`] of dicts with string keys and tensor leaves,
+    /// such as [`crate::float8::Float8Training::state_dict`]) as tensors named
+    /// `<prefix>/<key>/<key>/...`; [`Self::tree`] reads it back.
+    ///
+    /// # Errors
+    /// [`StateError::StateMismatch`] for a leaf that is not a tensor, a key that is not a
+    /// string or holds `/`, or a name already taken.
+    pub fn insert_tree(&mut self, prefix: &str, tree: &Value) -> Result<()> {
+        let mut flat = Vec::new();
+        flatten(prefix, tree, &mut flat)?;
+        if let Some((name, _)) = flat.iter().find(|(n, _)| self.tensors.contains_key(n)) {
+            return Err(mismatch(format!("training state: {name} is taken")));
+        }
+        self.tensors.extend(flat);
+        Ok(())
+    }
+
+    /// The tree [`Self::insert_tree`] stored under `prefix` (an empty dict when there is none).
+    pub fn tree(&self, prefix: &str) -> Value {
+        let start = format!("{prefix}/");
+        let items: Vec<(Vec<&str>, &Tensor)> = self
+            .tensors
+            .iter()
+            .filter_map(|(name, t)| name.strip_prefix(&start).map(|rest| (rest.split('/').collect(), t)))
+            .collect();
+        unflatten(items)
+    }
+}
+
+/// The dict tree of `(key path, tensor)` pairs (sorted by path).
+fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
+    let mut groups: BTreeMap<&str, Vec<(Vec<&str>, &Tensor)>> = BTreeMap::new();
+    let mut leaves = Dict::new();
+    for (path, t) in items {
+        match path.split_first() {
+            Some((key, [])) => {
+                leaves.insert(*key, Value::Tensor(t.shallow_clone()));
+            }
+            Some((key, rest)) => groups.entry(key).or_default().push((rest.to_vec(), t)),
+            None => {}
+        }
+    }
+    for (key, children) in groups {
+        leaves.insert(key, unflatten(children));
+    }
+    Value::Dict(leaves)
+}
+
+fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+    match value {
+        Value::Tensor(t) => out.push((prefix.to_string(), t.shallow_clone())),
+        Value::Dict(d) => {
+            for (key, v) in d.iter() {
+                let Key::Str(k) = key else {
+                    return Err(mismatch(format!("training state: {prefix}: key {key} is not a string")));
+                };
+                if k.contains('/') || k.is_empty() {
+                    return Err(mismatch(format!("training state: {prefix}: key {k:?} is empty or holds '/'")));
+                }
+                flatten(&format!("{prefix}/{k}"), v, out)?;
+            }
+        }
+        other => {
+            return Err(mismatch(format!("training state: {prefix} is a {}, not a tensor or dict", other.type_name())))
+        }
+    }
+    Ok(())
 }
 
 /// Tensors of a [`TrainingState`] are stored under this prefix.
@@ -92,8 +173,9 @@ fn st_dtype(kind: Kind) -> Result<Dtype> {
         Kind::Bool => Dtype::BOOL,
         other => {
             return Err(AmpError::State(StateError::DtypeMismatch {
-                name: "a checkpointed tensor".into(),
-                expected: "a dtype safetensors stores",
+                path: "a checkpointed tensor".into(),
+                target: "a safetensors file".into(),
+                expected: "a dtype safetensors stores".into(),
                 found: other,
             }))
         }
@@ -193,14 +275,21 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
     Ok((out, metas))
 }
 
-/// Writes model variables, optimizer records and the AMP state to `path` atomically (a
-/// temporary file in the same folder, synced, renamed over `path`, the folder synced).
+/// Writes model variables, optimizer records and the loss scalers' state to `path` atomically
+/// (a temporary file in the same folder, synced, renamed over `path`, the folder synced).
+/// `scalers`: an [`Amp`] (its opt level and scalers are recorded), a [`crate::GradScaler`] or a
+/// slice of them (torch.amp's path: no `Amp` needed), or `&()` for none.
 ///
 /// # Errors
 /// [`AmpError::Io`](crate::AmpError::Io) when the file cannot be written (any previous file at `path` is left
 /// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
-pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&AmpOptimizer], amp: &Amp) -> Result<()> {
-    save_checkpoint_with(path, vs, optimizers, amp, &TrainingState::default())
+pub fn save_checkpoint<S: CheckpointScalers + ?Sized>(
+    path: impl AsRef<Path>,
+    vs: &VarStore,
+    optimizers: &[&AmpOptimizer],
+    scalers: &S,
+) -> Result<()> {
+    save_checkpoint_with(path, vs, optimizers, scalers, &TrainingState::default())
 }
 
 /// [`save_checkpoint`] with the rest of a training state (`extra`) in the same file and the
@@ -209,11 +298,11 @@ pub fn save_checkpoint(path: impl AsRef<Path>, vs: &VarStore, optimizers: &[&Amp
 ///
 /// # Errors
 /// As [`save_checkpoint`].
-pub fn save_checkpoint_with(
+pub fn save_checkpoint_with<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
-    amp: &Amp,
+    scalers: &S,
     extra: &TrainingState,
 ) -> Result<()> {
     let path = path.as_ref();
@@ -223,6 +312,12 @@ pub fn save_checkpoint_with(
         tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
     }
     let save_err = |message: String| AmpError::write(path, std::io::Error::other(message));
+    let amp = scalers.as_amp();
+    if amp.is_none() && scalers.torch_key().is_some() {
+        let bytes = crate::torch_io::save_bytes(&scalers.scaler_state())
+            .map_err(|e| save_err(format!("the scaler state: {e}")))?;
+        tensors.insert(SCALER_TENSOR.into(), HostTensor { dtype: Dtype::U8, shape: vec![bytes.len()], bytes });
+    }
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(k, h)| {
@@ -233,8 +328,8 @@ pub fn save_checkpoint_with(
         .collect::<Result<_>>()?;
     let meta = Metadata {
         format: FORMAT.to_string(),
-        opt_level: amp.properties().opt_level(),
-        amp: amp.state_dict(),
+        opt_level: amp.map(|a| a.properties().opt_level()),
+        amp: amp.map(Amp::state_dict),
         optimizers,
         extra: extra.value.clone(),
     };
@@ -262,7 +357,7 @@ fn all_finite(name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Reads the optimizer `i`'s record from the file (masters from the staged model values).
+/// Reads the optimizer `i`'s record from the file (masters from the checked model values).
 fn read_record(
     st: &SafeTensors<'_>,
     i: usize,
@@ -322,7 +417,9 @@ fn read_record(
 }
 
 /// Restores what [`save_checkpoint`] wrote into the same kind of setup (same opt level, same
-/// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`).
+/// VarStore names and shapes, same optimizers over the same parameters, same `num_losses`; the
+/// same kind of `scalers`: an [`Amp`] for a checkpoint saved with one, the GradScaler(s) or `()`
+/// for one saved without).
 /// Variables keep their current dtype: fp16 model variables are set to the saved fp32 values
 /// rounded, which is exact for values saved from fp16 or from masters (unlike `VarStore::load`,
 /// nothing is silently recast). Everything is checked before anything is changed: the metadata
@@ -338,28 +435,64 @@ fn read_record(
 /// # Errors
 /// [`AmpError::Io`] if the file cannot be read; [`StateError::StateMismatch`] for a foreign or
 /// damaged file, another opt level, a missing or extra variable, a shape, dtype or optimizer
-/// mismatch, non-finite values, or an invalid AMP state. In every error case the model, the
-/// optimizers and `amp` are untouched.
-pub fn load_checkpoint(
+/// mismatch, non-finite values, an invalid scaler state, or scalers of the other kind (an `Amp`
+/// for a checkpoint saved without one, or the reverse). In every error case the model, the
+/// optimizers and the scalers are untouched.
+pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &mut [&mut AmpOptimizer],
-    amp: &mut Amp,
+    scalers: &mut S,
 ) -> Result<()> {
     let path = path.as_ref();
     let (bytes, meta) = open(path)?;
-    let level = amp.properties().opt_level();
-    if meta.opt_level != level {
-        return Err(mismatch(format!(
-            "the checkpoint was written under {}, this Amp is {level}: load_model_weights and load_optimizer_state \
-             load its parts into another opt level",
-            meta.opt_level
-        )));
-    }
     let st = SafeTensors::deserialize(&bytes).map_err(|e| mismatch(format!("{}: {e:?}", path.display())))?;
-    // Phase 1: check and stage everything.
-    let amp_json = serde_json::to_value(&meta.amp).map_err(|e| mismatch(format!("amp state: {e}")))?;
-    let amp_state = amp.check_state_dict(&amp_json)?;
+    // Phase 1: check everything, then apply.
+    let mut consumed: BTreeSet<String> = BTreeSet::new();
+    let scaler_state = match (scalers.as_amp(), meta.opt_level, &meta.amp) {
+        (Some(amp), Some(saved), Some(state)) => {
+            let level = amp.properties().opt_level();
+            if saved != level {
+                return Err(mismatch(format!(
+                    "the checkpoint was written under {saved}, this Amp is {level}: load_model_weights and \
+                     load_optimizer_state load its parts into another opt level"
+                )));
+            }
+            let amp_json = serde_json::to_value(state).map_err(|e| mismatch(format!("amp state: {e}")))?;
+            ScalerChecked::Amp(amp.check_state_dict(&amp_json)?)
+        }
+        (Some(amp), None, _) => {
+            return Err(mismatch(format!(
+                "the checkpoint was written without an Amp (torch.amp's GradScaler, or no scaler), this Amp is {}: \
+                 pass the GradScaler(s), or () for none",
+                amp.properties().opt_level()
+            )))
+        }
+        (None, Some(saved), _) => {
+            return Err(mismatch(format!(
+                "the checkpoint was written with an Amp under {saved}: pass that Amp to restore its loss scalers"
+            )))
+        }
+        (None, None, _) => match st.tensor(SCALER_TENSOR) {
+            Ok(view) => {
+                consumed.insert(SCALER_TENSOR.to_string());
+                if view.dtype() != Dtype::U8 || view.shape().len() != 1 {
+                    return Err(mismatch(format!("{SCALER_TENSOR} must be U8 bytes, found {:?}", view.dtype())));
+                }
+                let value = crate::torch_io::load_bytes(view.data(), &crate::torch_io::LoadOptions::new())
+                    .map_err(|e| mismatch(format!("the scaler state: {e}")))?;
+                scalers.check_scaler_state(&value.node())?;
+                ScalerChecked::Value(value)
+            }
+            Err(_) if scalers.torch_key().is_some() => {
+                return Err(mismatch(
+                    "the checkpoint holds no GradScaler state (it was saved without one): pass () for no scaler",
+                ))
+            }
+            Err(_) => ScalerChecked::None,
+        },
+        (Some(_), Some(_), None) => return Err(mismatch("the checkpoint records an opt level but no amp state")),
+    };
     if meta.optimizers.len() != optimizers.len() {
         return Err(mismatch(format!(
             "checkpoint has {} optimizers, {} given",
@@ -375,25 +508,24 @@ pub fn load_checkpoint(
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
     let mut model_vals: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
-    let mut consumed: BTreeSet<String> = BTreeSet::new();
+    let mut checked: BTreeMap<String, Tensor> = BTreeMap::new();
     for name in names {
         let var = &vars[name];
         let key = format!("model/{name}");
         let v = st.tensor(&key).map_err(|_| mismatch(format!("variable {name} is missing from the checkpoint")))?;
-        let t = stage_variable(name, var, &v)?;
+        let t = check_variable(name, var, &v)?;
         consumed.insert(key);
-        staged.insert(name.clone(), t.shallow_clone());
+        checked.insert(name.clone(), t.shallow_clone());
         model_vals.push((var.shallow_clone(), t));
     }
-    let mut staged_records = Vec::with_capacity(optimizers.len());
+    let mut checked_records = Vec::with_capacity(optimizers.len());
     for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
         let with_master = o.master_flags();
         if m.params.len() != with_master.len() {
             return Err(mismatch(format!("optimizer {i} covers other parameters than the checkpoint's")));
         }
-        let record = read_record(&st, i, m, &staged, &with_master, &mut consumed)?;
-        staged_records.push(o.stage_record(record).map_err(|e| match e {
+        let record = read_record(&st, i, m, &checked, &with_master, &mut consumed)?;
+        checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
             other => other,
         })?);
@@ -411,11 +543,29 @@ pub fn load_checkpoint(
         let mut v = var;
         v.f_copy_(&t).ctx("restoring a model variable")?;
     }
-    for (o, r) in optimizers.iter_mut().zip(staged_records) {
-        o.apply_staged(r)?;
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
     }
-    amp.apply_checked_state(amp_state);
+    match scaler_state {
+        ScalerChecked::Amp(state) => {
+            if let Some(amp) = scalers.as_amp_mut() {
+                amp.apply_checked_state(state);
+            }
+        }
+        ScalerChecked::Value(v) => scalers.apply_scaler_state(&v.node())?,
+        ScalerChecked::None => {}
+    }
     Ok(())
+}
+
+/// The scalers' state of a checkpoint, checked, ready to apply.
+enum ScalerChecked {
+    /// An `Amp`'s (the metadata's `amp`).
+    Amp(crate::scaling::ParsedState),
+    /// torch.amp's (the `scaler` tensor's).
+    Value(crate::torch_io::Value),
+    /// None saved, none expected.
+    None,
 }
 
 /// The [`TrainingState`] a [`save_checkpoint_with`] wrote into `path` (empty for a checkpoint
@@ -452,15 +602,25 @@ fn open(path: &Path) -> Result<(Vec<u8>, Metadata)> {
     Ok((bytes, meta))
 }
 
-/// Format 4 (parameter groups with hyper-parameters) or format 3 (per-group learning rates),
-/// each with exactly its own fields.
+/// Format 5 (an `Amp`'s opt level and scalers, or neither), format 4 (parameter groups with
+/// hyper-parameters) or format 3 (per-group learning rates), each with exactly its own fields.
 fn check_format(path: &Path, meta: &Metadata) -> Result<()> {
-    let v4 = meta.format == FORMAT;
+    let v5 = meta.format == FORMAT;
+    let v4 = v5 || meta.format == FORMAT_4;
     if !v4 && meta.format != FORMAT_3 {
         return Err(mismatch(format!(
-            "{}: format {:?}, this tch-amp reads {FORMAT:?} and {FORMAT_3:?}",
+            "{}: format {:?}, this tch-amp reads {FORMAT:?}, {FORMAT_4:?} and {FORMAT_3:?}",
             path.display(),
             meta.format
+        )));
+    }
+    // Before format 5 every checkpoint had an Amp; in format 5 both or neither.
+    if (!v5 && (meta.opt_level.is_none() || meta.amp.is_none())) || meta.opt_level.is_some() != meta.amp.is_some() {
+        return Err(mismatch(format!(
+            "{}: format {} needs \"opt_level\" and \"amp\"{}",
+            path.display(),
+            meta.format,
+            if v5 { " together, or neither" } else { "" }
         )));
     }
     for (i, o) in meta.optimizers.iter().enumerate() {
@@ -480,7 +640,7 @@ fn check_format(path: &Path, meta: &Metadata) -> Result<()> {
 
 /// The checkpoint's value of variable `name`, checked against `var` (shape; dtype: fp32 for
 /// floating variables but fp64, the variable's own otherwise; finite) and moved to its device.
-fn stage_variable(name: &str, var: &Tensor, view: &TensorView<'_>) -> Result<Tensor> {
+fn check_variable(name: &str, var: &Tensor, view: &TensorView<'_>) -> Result<Tensor> {
     let key = format!("model/{name}");
     let t = view_to_tensor(&key, view)?;
     if t.size() != var.size() {
@@ -548,11 +708,11 @@ pub fn load_model_weights(
         st.names().into_iter().filter_map(|n| n.strip_prefix("model/").map(str::to_string)).collect();
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
-    let mut staged: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut checked: BTreeMap<String, Tensor> = BTreeMap::new();
     for name in names {
         match st.tensor(&format!("model/{name}")) {
             Ok(view) => {
-                staged.insert(name.clone(), stage_variable(name, &vars[name], &view)?);
+                checked.insert(name.clone(), check_variable(name, &vars[name], &view)?);
             }
             Err(_) => report.missing_keys.push(name.clone()),
         }
@@ -563,15 +723,16 @@ pub fn load_model_weights(
             what: "model weights".to_string(),
             missing_keys: report.missing_keys,
             unexpected_keys: report.unexpected_keys,
+            remedy: "load with strict = false".to_string(),
         }));
     }
     let _no_grad = tch::no_grad_guard();
-    for (name, t) in &staged {
+    for (name, t) in &checked {
         let mut v = vars[name].shallow_clone();
         v.f_copy_(t).ctx("restoring a model variable")?;
     }
     for o in optimizers.iter_mut() {
-        o.set_masters(&staged)?;
+        o.set_masters(&checked)?;
     }
     Ok(report)
 }
@@ -610,25 +771,26 @@ pub fn load_optimizer_state(
             optimizers.len()
         )));
     }
-    let mut staged = Vec::with_capacity(optimizers.len());
+    let mut checked = Vec::with_capacity(optimizers.len());
     let mut consumed = BTreeSet::new();
     for (i, (o, m)) in optimizers.iter().zip(meta.optimizers).enumerate() {
         let no_masters = vec![false; m.params.len()];
         let record = read_record(&st, i, m, &BTreeMap::new(), &no_masters, &mut consumed)?;
-        staged.push(o.stage_state_only(record, strict).map_err(|e| match e {
+        checked.push(o.check_state_only(record, strict).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => mismatch(format!("optimizer {i}: {message}")),
-            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, .. }) => {
+            AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, remedy, .. }) => {
                 AmpError::State(StateError::IncompatibleKeys {
                     what: format!("optimizer {i} state"),
                     missing_keys,
                     unexpected_keys,
+                    remedy,
                 })
             }
             other => other,
         })?);
     }
-    let mut reports = Vec::with_capacity(staged.len());
-    for (o, s) in optimizers.iter_mut().zip(staged) {
+    let mut reports = Vec::with_capacity(checked.len());
+    for (o, s) in optimizers.iter_mut().zip(checked) {
         let (missing_keys, unexpected_keys) = o.apply_state_only(s)?;
         reports.push(LoadReport { missing_keys, unexpected_keys });
     }

@@ -35,6 +35,7 @@ pub struct AmpConfig {
     pub(super) num_losses: Option<usize>,
     pub(super) min_loss_scale: Option<f64>,
     pub(super) max_loss_scale: Option<f64>,
+    pub(super) init_loss_scale: Option<f64>,
     pub(super) verbosity: Option<u8>,
     pub(super) low_precision_dtype: Option<Kind>,
     pub(super) allow_banned: Option<bool>,
@@ -198,6 +199,15 @@ impl AmpConfig {
     /// Cap of the dynamic loss scale (default 2^24).
     pub fn max_loss_scale(mut self, v: f64) -> Self {
         self.max_loss_scale = Some(v);
+        self
+    }
+    /// The dynamic scale's initial value (default `min(2^16, max_loss_scale)`, Apex's). Apex has
+    /// no option for it; BERT's run_pretraining.py sets it after `amp.initialize` with
+    /// `amp._amp_state.loss_scalers[0]._loss_scale = args.init_loss_scale` (every loss scaler
+    /// starts at it here). Only with [`LossScale::Dynamic`]; within `[min_loss_scale,
+    /// max_loss_scale]`.
+    pub fn init_loss_scale(mut self, v: f64) -> Self {
+        self.init_loss_scale = Some(v);
         self
     }
     /// 0 = silent, 1 = Apex's messages (default), 2 = also the resolved options at initialize.

@@ -69,7 +69,8 @@ pub(crate) mod scale_constants {
     pub(crate) const INITIAL_DYNAMIC_SCALE: f64 = 65536.0;
     pub(crate) const GROWTH_INTERVAL: u64 = 2000;
     pub(crate) const DEFAULT_MAX_LOSS_SCALE: f64 = 16_777_216.0;
-    pub(crate) const DEFAULT_MIN_LOSS_SCALE: f64 = 5.960_464_477_539_063e-8;
+    /// fp16's smallest subnormal, 2^-24.
+    pub(crate) const DEFAULT_MIN_LOSS_SCALE: f64 = half::f16::MIN_POSITIVE_SUBNORMAL.to_f64_const();
     pub(crate) const SCALE_RANGE: (f64, f64) = (1.175_494_350_822_287_5e-38, 1.701_411_834_604_692_3e38);
     pub(crate) const DEFAULT_COLLAPSE_LIMIT: u32 = 20;
     pub(crate) const DEFAULT_HISTORY_LEN: usize = 256;

@@ -7,7 +7,7 @@ pub(crate) mod builder;
 pub(crate) mod loss_scale;
 pub(crate) mod opt_level;
 pub(crate) mod properties;
-mod rules;
+pub(crate) mod rules;
 mod table;
 
 pub(crate) use builder::AmpConfig;

@@ -19,6 +19,7 @@ pub struct Properties {
     pub(super) num_losses: usize,
     pub(super) min_loss_scale: Option<f64>,
     pub(super) max_loss_scale: f64,
+    pub(super) init_loss_scale: Option<f64>,
     pub(super) verbosity: u8,
     pub(super) cast_settings: CastSettings,
     pub(super) cast_policy: CastPolicy,
@@ -76,6 +77,11 @@ impl Properties {
     /// Cap of the dynamic scale (Apex default 2^24).
     pub fn max_loss_scale(&self) -> f64 {
         self.max_loss_scale
+    }
+    /// The dynamic scale's initial value as given ([`crate::AmpConfig::init_loss_scale`];
+    /// `None`: `min(2^16, max_loss_scale)`).
+    pub fn init_loss_scale(&self) -> Option<f64> {
+        self.init_loss_scale
     }
     /// 0 = silent, 1 = Apex's messages (overflow lines, `log::warn!`), 2 = also the resolved
     /// options (`log::info!`).

@@ -16,6 +16,43 @@ fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -
     AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
+/// The scalers' option checks (Apex's, torch's GradScaler, apex.fp16_utils'): a scale that is
+/// finite and positive.
+pub(crate) fn positive_scale(option: &'static str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "a finite number > 0"))
+    }
+}
+
+/// A growth factor: finite and above 1.
+pub(crate) fn growth_factor(option: &'static str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "a finite number > 1"))
+    }
+}
+
+/// A backoff factor: in (0, 1).
+pub(crate) fn backoff_factor(v: f64) -> Result<f64> {
+    if v > 0.0 && v < 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid("backoff_factor", v, "a number in (0, 1)"))
+    }
+}
+
+/// A growth interval (clean steps before the scale grows): at least 1.
+pub(crate) fn growth_interval(option: &'static str, v: i64) -> Result<i64> {
+    if v >= 1 {
+        Ok(v)
+    } else {
+        Err(invalid(option, v, "an integer >= 1"))
+    }
+}
+
 /// A scale (or floor, or cap) within [`crate::scaling::LossScaler::SCALE_RANGE`].
 fn in_scale_range(option: &'static str, v: f64) -> Result<f64> {
     let (lo, hi) = consts::SCALE_RANGE;
@@ -125,6 +162,19 @@ impl AmpConfig {
                 return Err(invalid("min_loss_scale", min, "a value not above max_loss_scale"));
             }
         }
+        if let Some(init) = self.init_loss_scale {
+            in_scale_range("init_loss_scale", init)?;
+            if loss_scale != LossScale::Dynamic {
+                return Err(invalid(
+                    "init_loss_scale",
+                    init,
+                    "a dynamic loss scale (a static one is its own initial value: set loss_scale)",
+                ));
+            }
+            if init > max_loss_scale || self.min_loss_scale.is_some_and(|m| init < m) {
+                return Err(invalid("init_loss_scale", init, "a value within [min_loss_scale, max_loss_scale]"));
+            }
+        }
         let num_losses = self.num_losses.unwrap_or(1);
         if num_losses == 0 {
             return Err(invalid("num_losses", 0, "at least 1"));
@@ -154,6 +204,7 @@ impl AmpConfig {
             num_losses,
             min_loss_scale: self.min_loss_scale,
             max_loss_scale,
+            init_loss_scale: self.init_loss_scale,
             verbosity: self.verbosity.unwrap_or(1),
             cast_settings: CastSettings {
                 low_precision_dtype: low,

@@ -45,16 +45,7 @@
 //! # }
 //! ```
 //!
-//! Differences from Apex and torch, and why:
-//! - Under Gloo (CPU), `ReduceOp::Avg` and DDP's averaging divide after the sum (Gloo has no
-//!   average), as Apex does.
-//! - tch-amp creates O2's fp32 masters at `initialize`; DDP broadcasts rank 0's masters with
-//!   the model so that differently seeded ranks start identical (Apex created them after DDP's
-//!   broadcast).
-//! - `find_unused_parameters` hands the forward's output to the Reducer but has no DDPSink:
-//!   outputs left out of the loss are not detected.
-//! - SyncBatchNorm also runs on CPU (torch's refuses CPU tensors), with the CUDA kernels'
-//!   formulas in fp32 ATen ops.
+//! Where this differs from Apex and torch, and why: `docs/distributed.md`.
 mod checkpoint;
 mod ddp;
 mod error;

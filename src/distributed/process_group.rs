@@ -15,7 +15,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// The communication backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Backend {
-    /// Gloo: CPU tensors (and CUDA tensors staged through the host).
+    /// Gloo: CPU tensors (and CUDA tensors checked through the host).
     #[default]
     Gloo,
     /// NCCL: CUDA tensors. Needs a build with the `nccl` feature.

@@ -4,12 +4,14 @@ use std::path::PathBuf;
 use tch::TchError;
 
 use super::{ConfigError, Divergence, OpRefused, StateError, UsageError};
+use crate::torch_io::TorchIoError;
 
 /// Everything that can go wrong in tch-amp, grouped by what the caller can do about it: fix
 /// the set-up ([`AmpError::Config`]), fix the training loop ([`AmpError::Usage`]), change an
 /// op the O1 policy refuses ([`AmpError::OpRefused`]), stop or restart a run that diverged
 /// ([`AmpError::Diverged`]), pick another checkpoint or state ([`AmpError::State`]), or look
-/// at the file system ([`AmpError::Io`]) or at libtorch ([`AmpError::Torch`]).
+/// at the file system or the file ([`AmpError::Io`], [`AmpError::File`]) or at libtorch
+/// ([`AmpError::Torch`]).
 ///
 /// Messages are one line and name the remedy; each variant's docs explain more.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +51,11 @@ pub enum AmpError {
         #[source]
         source: std::io::Error,
     },
+    /// A `torch.save` file could not be read or written: the file system, or bytes that are
+    /// not a file torch writes (the message names the place in the file). Nothing was loaded;
+    /// a failed save leaves any previous file in place.
+    #[error(transparent)]
+    File(#[from] TorchIoError),
     /// libtorch failed: an exception from a tch call or from tch-amp's C++ shim, a `VarStore`
     /// lock poisoned by a panic in another thread, or more tensors than one shim call can
     /// carry. The message is libtorch's (or says which limit).
@@ -107,11 +114,11 @@ pub(crate) fn mismatch(message: impl Into<String>) -> AmpError {
     AmpError::State(StateError::StateMismatch { message: message.into() })
 }
 
-/// A tch error from a fallible call (`f_*`) in user code that returns tch-amp's `Result`, such
-/// as an [`crate::UpdateRule`] (`param.f_mul_(..)?`).
+/// A tch error from a fallible call (`f_*`), in tch-amp or in user code that returns tch-amp's
+/// `Result` (an [`crate::UpdateRule`]: `param.f_mul_(..)?`).
 impl From<TchError> for AmpError {
     fn from(source: TchError) -> Self {
-        AmpError::Torch { context: "a tch call in user code (an update rule)", source }
+        AmpError::Torch { context: "a tch call", source }
     }
 }
 

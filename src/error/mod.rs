@@ -126,6 +126,39 @@ pub enum ConfigError {
         /// Its dtype.
         kind: Kind,
     },
+    /// A linear layer named explicitly in a float8 layer filter
+    /// ([`crate::float8::LayerFilter::only`]) that cannot train in float8: its dimensions are not
+    /// multiples of 16 (CUDA's `_scaled_mm` needs them), its weight is neither fp32, bf16 nor
+    /// fp16, or it is not 2-D. A layer selected by a prefix instead is skipped and reported
+    /// ([`crate::float8::ConversionReport`]).
+    #[error("layer {layer:?} cannot train in float8 ({reason}): leave it out of the filter")]
+    Float8LayerRefused {
+        /// The layer's VarStore path.
+        layer: String,
+        /// Why.
+        reason: String,
+    },
+    /// An optimizer whose update rule has no torch.optim or `apex.optimizers` form (a user's
+    /// [`crate::UpdateRule`]): a torch checkpoint cannot hold its state. tch-amp's own
+    /// checkpoints ([`crate::save_checkpoint`]) hold any rule's.
+    #[error(
+        "optimizer {optimizer} runs the update rule {kind:?}, which has no torch.optim or apex.optimizers form: save \
+         it with tch_amp::save_checkpoint"
+    )]
+    NoTorchForm {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Its rule's kind ([`crate::UpdateRule::kind`]).
+        kind: String,
+    },
+    /// Checkpoint options that do not fit the call: another number of optimizers than optimizer
+    /// keys, an extra entry named like the model, optimizer or amp entry, a `param_order` for an
+    /// optimizer that was not given.
+    #[error("{message}")]
+    OptionsMismatch {
+        /// What is wrong and what to do.
+        message: String,
+    },
 }
 
 /// A call out of order, or with arguments that cannot work ([`AmpError::Usage`]): fix the
@@ -151,17 +184,6 @@ pub enum UsageError {
         /// The order to use.
         remedy: &'static str,
     },
-    /// Under O2, the model's fp16 gradients that `step` unscales into the fp32 master
-    /// gradients changed after `scale_loss` returned: they are still scaled then, so clipping
-    /// them (the usual tch habit, `clip_grad_norm` over `vs.trainable_variables()`) or any
-    /// other change would make `step` use wrong values. Clip with
-    /// [`crate::AmpOptimizer::clip_grad_norm`], which clips the fp32 master gradients (Apex's
-    /// `clip_grad_norm_(amp.master_params(optimizer))`).
-    #[error("the fp16 gradients of {params:?} changed between scale_loss and step(): clip with opt.clip_grad_norm")]
-    ModelGradsChanged {
-        /// The parameters (at most five).
-        params: Vec<String>,
-    },
     /// `step()` found gradients on low-precision model variables whose fp32 masters have none:
     /// a backward pass ran outside `scale_loss`, so the masters (which the optimizer steps)
     /// never saw it. Run backward inside `amp.scale_loss(&loss, &mut [&mut opt], |s|
@@ -178,14 +200,29 @@ pub enum UsageError {
     /// after an overflow lands here).
     #[error("step() found no gradients: run scale_loss (the backward pass) once before each step()")]
     NoGradients,
-    /// The loss given to `scale_loss` cannot be back-propagated as it is: it is not a single
-    /// value (reduce it with `mean()` or `sum()`), it does not require grad (compute it from
-    /// the model's trainable variables, outside `no_grad`, without `detach`), or it lives on
-    /// another device than an optimizer's parameters.
-    #[error("the loss given to scale_loss {problem}")]
+    /// The loss given to `scale_loss` (or `GradScaler::scale`) cannot be back-propagated as it
+    /// is: it is not a single value (reduce it with `mean()` or `sum()`), it does not require
+    /// grad (compute it from the model's trainable variables, outside `no_grad`, without
+    /// `detach`), it lives on another device than an optimizer's parameters, or it is not
+    /// floating point (a scaled integer loss is a bug; torch would promote it to fp32).
+    #[error("the loss given to {call} {problem}")]
     BadLoss {
+        /// The call: `"scale_loss"` or `"GradScaler::scale"`.
+        call: &'static str,
         /// What is wrong with it, and what to do.
         problem: String,
+    },
+    /// A [`crate::GradScaler`] was asked to unscale fp16 gradients (torch's "Attempting to
+    /// unscale FP16 gradients."): it unscales fp32 (or bf16) gradients only. Keep the
+    /// parameters in fp32 under autocast (it casts them per op), or use the Apex path's O2
+    /// for fp32 master weights.
+    #[error(
+        "Attempting to unscale FP16 gradients (parameter {index} of the optimizer): keep the parameters in fp32 \
+         under autocast, or use tch_amp::initialize with O2 for fp32 master weights"
+    )]
+    UnscaleFp16Gradients {
+        /// The parameter's position in the optimizer's parameters.
+        index: usize,
     },
     /// `scale_loss` was given no optimizer. Apex accepts `[]` and leaves the gradients scaled
     /// (then stepped with the scale in them); tch-amp refuses. Pass every optimizer whose
@@ -204,12 +241,17 @@ pub enum UsageError {
     /// The same optimizer was given twice to one `scale_loss` call.
     #[error("the same optimizer was given twice to scale_loss: pass each once")]
     DuplicateOptimizer,
-    /// A tch-amp cast policy (Apex's O1, or the CPU emulation of O2/O3) was activated on a
-    /// thread where a torch.amp autocast scope ([`crate::AutocastScope`]) is alive. Both drive
-    /// libtorch's autocast state; only one may be active on a thread at a time: drop the
-    /// `AutocastScope` first, or run them on different threads.
-    #[error("an Apex cast policy cannot start while torch.amp autocast is active on this thread")]
-    TorchAutocastActive,
+    /// torch.amp's autocast ([`crate::Autocast`]) was entered while tch-amp's Apex cast policy
+    /// (O1, or the CPU emulation under O2/O3) is active on this thread, or the other way round.
+    /// Both drive libtorch's autocast state, and mixing them would cast by the wrong lists:
+    /// drop the other's guard (or `Amp`) first, or run them on different threads.
+    #[error("{entering} cannot start on this thread while {active} is active: drop the other first")]
+    AutocastConflict {
+        /// What was being started.
+        entering: &'static str,
+        /// What is already active.
+        active: &'static str,
+    },
     /// Model and master parameter lists of `fp16_utils` that do not belong together.
     #[error("fp16_utils: {message}")]
     ParamListMismatch {
@@ -311,20 +353,23 @@ pub enum StateError {
         /// What differs.
         message: String,
     },
-    /// A strict partial load ([`crate::checkpoint::load_model_weights`],
-    /// [`crate::checkpoint::load_optimizer_state`]) found keys on one side only (torch's
-    /// `load_state_dict(strict=True)` error). Load with `strict = false` to load what matches
-    /// and get these as a [`crate::checkpoint::LoadReport`].
-    #[error(
-        "strict load of {what}: missing {missing_keys:?}, unexpected {unexpected_keys:?}; load with strict = false"
-    )]
+    /// A strict load found keys on one side only (torch's `load_state_dict(strict=True)` error):
+    /// a partial load ([`crate::checkpoint::load_model_weights`],
+    /// [`crate::checkpoint::load_optimizer_state`]; `strict = false` loads what matches and
+    /// reports these as a [`crate::checkpoint::LoadReport`]), or a torch checkpoint's model state
+    /// dict against the `VarStore` (`TorchLoadOptions::strict(false)` loads the names both have;
+    /// when the two sides differ by a prefix on every key, `remedy` names the
+    /// [`KeyPrefix`](crate::torch_checkpoint::KeyPrefix) that fixes it).
+    #[error("strict load of {what}: missing {missing_keys:?}, unexpected {unexpected_keys:?}; {remedy}")]
     IncompatibleKeys {
-        /// What was being loaded: `"model weights"` or `"optimizer <i> state"`.
+        /// What was being loaded: `"model weights"`, `"optimizer <i> state"`, `"the model state dict"`.
         what: String,
         /// Keys this side has that the checkpoint lacks.
         missing_keys: Vec<String>,
         /// Keys of the checkpoint this side does not have.
         unexpected_keys: Vec<String>,
+        /// What to do.
+        remedy: String,
     },
     /// Optimizer state that would poison the next step: a negative second moment (its square
     /// root is NaN), or a hyper-parameter finite in f64 that becomes inf or 0 in fp32, where
@@ -339,15 +384,110 @@ pub enum StateError {
         /// What is wrong.
         message: String,
     },
-    /// A tensor of the checkpoint with another dtype than the variable it is loaded into.
-    #[error("{name} has dtype {found:?}, expected {expected}; nothing was loaded")]
+    /// A tensor whose dtype cannot go where it should: a checkpoint tensor of another dtype than
+    /// the variable it is loaded into, an integer tensor for a floating variable or the other way
+    /// round, or any difference under
+    /// [`TorchLoadOptions::exact_dtypes`](crate::torch_checkpoint::TorchLoadOptions::exact_dtypes).
+    #[error(
+        "{path} has dtype {found:?}, which cannot be loaded into {target}: expected {expected}; nothing was loaded"
+    )]
     DtypeMismatch {
-        /// The variable.
-        name: String,
-        /// What was expected, in words.
-        expected: &'static str,
-        /// What was found.
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// What is accepted, in words.
+        expected: String,
+        /// The file's dtype.
         found: Kind,
+    },
+    /// A tensor of another shape than the variable or parameter it goes to.
+    #[error("{path} has shape {found:?}, but {target} has shape {expected:?}")]
+    ShapeMismatch {
+        /// Where in the file.
+        path: String,
+        /// The variable or parameter (VarStore name).
+        target: String,
+        /// Its shape.
+        expected: Vec<i64>,
+        /// The file's shape.
+        found: Vec<i64>,
+    },
+    /// A weight, buffer or optimizer state holding inf or NaN.
+    #[error("{path} holds inf or NaN: the run that wrote it had already diverged; resume from an earlier checkpoint")]
+    NonFinite {
+        /// Where in the file.
+        path: String,
+    },
+    /// An optimizer state dict over another number of parameters than the optimizer holds.
+    #[error(
+        "{path}: the file's param_groups list {in_file} parameters, optimizer {optimizer} holds {in_optimizer}: the \
+         checkpoint was written for another model or another parameter selection"
+    )]
+    ParamCount {
+        /// Which optimizer (position in the slice given).
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// Parameters in the file.
+        in_file: usize,
+        /// Parameters of the optimizer.
+        in_optimizer: usize,
+    },
+    /// A state dict of another optimizer class.
+    #[error("{path} holds the state of a {in_file} optimizer, but optimizer {optimizer} is {in_optimizer}")]
+    OptimizerKind {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The optimizer state dict's path in the file.
+        path: String,
+        /// The class the file's hyper-parameters describe.
+        in_file: String,
+        /// The optimizer's kind.
+        in_optimizer: String,
+    },
+    /// A hyper-parameter of a param group that differs from the optimizer's group's own under
+    /// [`crate::torch_checkpoint::TorchLoadOptions::strict_hyper_parameters`] (by default the file's values are
+    /// taken, as torch's `load_state_dict` takes them), or two values (learning rates,
+    /// hyper-parameters) that two of the file's groups give one parameter group of the optimizer.
+    #[error("{path}: {name} is {in_file} in the file, {in_optimizer} in optimizer {optimizer}: {remedy}")]
+    HyperParameter {
+        /// Which optimizer.
+        optimizer: usize,
+        /// The param group's path in the file.
+        path: String,
+        /// torch's name of the hyper-parameter.
+        name: String,
+        /// The file's value.
+        in_file: String,
+        /// The optimizer's value.
+        in_optimizer: String,
+        /// What to do.
+        remedy: &'static str,
+    },
+    /// torch's parameter order (the `params` lists of `param_groups`) cannot be mapped onto
+    /// the optimizer's parameters without guessing.
+    #[error(
+        "optimizer {optimizer}: cannot tell which parameter each index of the file's param_groups is: {reason}; \
+         give the order with TorchLoadOptions::param_order"
+    )]
+    ParamOrder {
+        /// Which optimizer.
+        optimizer: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The checkpoint dict lacks an entry the options say to read (the model's, an
+    /// optimizer's, the loss scalers', the master parameters'). The message names the option
+    /// that names the entry, or leaves it out.
+    #[error("the checkpoint has no {key:?} entry ({holds}): {remedy}")]
+    MissingEntry {
+        /// The key looked for.
+        key: String,
+        /// What it would hold.
+        holds: &'static str,
+        /// The option to use.
+        remedy: &'static str,
     },
 }
 
@@ -363,5 +503,5 @@ pub(crate) fn check_loss_value(loss: &tch::Tensor) -> Result<()> {
     } else {
         return Ok(());
     };
-    Err(AmpError::Usage(UsageError::BadLoss { problem }))
+    Err(AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem }))
 }

@@ -37,8 +37,8 @@
 //!     let loss = model.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
 //!     optimizer.backward(&loss)?; // was: loss.backward()
 //!     let _norm = optimizer.clip_master_grads(1.0)?; // -1.0 after an overflow
-//!     let stepped = optimizer.step()?; // false: skipped after an overflow
-//!     println!("stepped {stepped}, loss scale {}", optimizer.loss_scale());
+//!     let outcome = optimizer.step()?; // Skipped after an overflow
+//!     println!("stepped {}, loss scale {}", outcome.stepped(), optimizer.loss_scale());
 //! }
 //! assert_eq!(vs.variables()["fc1.weight"].kind(), Kind::Half);
 //! assert_eq!(optimizer.loss_scale(), 1024.0); // no overflow, fewer than 500 passes
@@ -48,25 +48,7 @@
 //! # }
 //! ```
 //!
-//! Where this differs from Apex, and why:
-//! - `FP16_Optimizer` wrapped a ready torch optimizer; here it is built from the optimizer's
-//!   configuration, over every trainable variable of a `VarStore` (tch parameter groups are torch's
-//!   `param_groups`, ascending).
-//! - The dynamic scale is amp's `LossScaler`, as `FP16_Optimizer` used at e13873de (2^16, window
-//!   2000, cap 2^24), not the legacy `DynamicLossScaler` class; `scale_factor` must be 2 (Apex
-//!   ignored it); an unset `min_loss_scale` means tch-amp's floor of 2^-24 (Apex had none).
-//! - `step()` returns whether it stepped and refuses to run without a fresh backward
-//!   ([`UsageError::NoGradients`](crate::error::UsageError::NoGradients)) or after
-//!   `backward_with(loss, false)` without `update_master_grads()`
-//!   ([`UsageError::CallOrder`](crate::error::UsageError::CallOrder)); it releases the master
-//!   gradients after the update (Apex kept them until `zero_grad`). The values stepped are the
-//!   same: every fp16 gradient that exists (a zeroed one too) is copied to its master at each
-//!   `update_master_grads`, and one never made leaves its master unstepped in both.
-//! - `step(closure)` and `backward(retain_graph=True)` are not offered.
-//! - The overflow check reads each gradient for inf/NaN (Apex's fused kernel; its Python fallback
-//!   summed each gradient, which also flags a finite fp32 gradient whose sum overflows).
-//! - `state_dict()` holds copies of the masters; `load_state_dict` validates everything first and
-//!   changes nothing on error.
+//! Where this differs from Apex, and why: `docs/fp16_utils.md`.
 mod convert;
 mod loss_scaler;
 mod optimizer;

@@ -9,6 +9,7 @@ use serde_json::json;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
+use crate::config::rules::positive_scale;
 use crate::config::{AmpConfig, LossScale, OptLevel};
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord, StepOutcome};
@@ -249,6 +250,66 @@ fn scaler_amp(s: &LegacyScalerState) -> Result<Amp> {
     Ok(amp)
 }
 
+/// The scaler `FP16_Optimizer` sets up from its options (amp's `LossScaler`), checked.
+fn legacy_scaler(options: &Fp16OptimizerOptions) -> Result<LegacyScalerState> {
+    Ok(if options.dynamic_loss_scale {
+        let a = options.dynamic_loss_args.unwrap_or_default();
+        if a.scale_factor != 2.0 {
+            return Err(invalid(
+                "scale_factor",
+                a.scale_factor,
+                "2.0: FP16_Optimizer passed dynamic_loss_args to amp's LossScaler, which ignored scale_factor \
+                 and always halved and doubled the scale, so the Python run used 2 (drop the argument)",
+            ));
+        }
+        if a.scale_window == 0 {
+            return Err(invalid("scale_window", 0, "at least 1 clean pass"));
+        }
+        positive_scale("init_scale", a.init_scale)?;
+        LegacyScalerState {
+            loss_scale: a.init_scale.min(a.max_loss_scale),
+            unskipped: 0,
+            dynamic: true,
+            scale_seq_len: a.scale_window,
+            min_loss_scale: a.min_loss_scale,
+            max_loss_scale: a.max_loss_scale,
+        }
+    } else {
+        positive_scale("static_loss_scale", options.static_loss_scale)?;
+        LegacyScalerState {
+            loss_scale: options.static_loss_scale,
+            unskipped: 0,
+            dynamic: false,
+            scale_seq_len: 2000,
+            min_loss_scale: None,
+            max_loss_scale: LossScaler::DEFAULT_MAX_LOSS_SCALE,
+        }
+    })
+}
+
+/// The optimizer's parameters in Apex's order: parameter groups in order, each group's
+/// parameters as the model made them; fp16 ones with their masters.
+fn apex_order(vs: &VarStore, opt: &AmpOptimizer) -> Result<Vec<Slot>> {
+    // Apex's order: parameter groups in order, each group's parameters as the model made them.
+    let order: Vec<(Tensor, usize)> = {
+        let v = vs.variables_.lock().map_err(|_| {
+            AmpError::torch("locking the VarStore", "the lock is poisoned: another thread panicked while holding it")
+        })?;
+        v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect()
+    };
+    let vars = vs.variables();
+    let mut keyed = Vec::new();
+    for (name, target) in opt.param_names().into_iter().zip(opt.master_params()) {
+        let model = vars[name].shallow_clone();
+        let pos = order.iter().position(|(t, _)| t.is_set_to(&model));
+        let group = pos.map_or(0, |i| order[i].1);
+        let master = (model.kind() == Kind::Half).then_some(target);
+        keyed.push(((group, pos.unwrap_or(usize::MAX)), Slot { name: name.to_string(), group, model, master }));
+    }
+    keyed.sort_by_key(|(k, _)| *k);
+    Ok(keyed.into_iter().map(|(_, s)| s).collect())
+}
+
 impl Fp16Optimizer {
     /// Apex's `FP16_Optimizer(optimizer, static_loss_scale=.., dynamic_loss_scale=..,
     /// dynamic_loss_args=..)` where `optimizer = <config>(model.parameters(), lr)`: an optimizer
@@ -273,43 +334,7 @@ impl Fp16Optimizer {
         {
             return Err(AmpError::Config(ConfigError::LegacyParamDtype { name: name.clone(), kind: v.kind() }));
         }
-        let cfg = if options.dynamic_loss_scale {
-            let a = options.dynamic_loss_args.unwrap_or_default();
-            if a.scale_factor != 2.0 {
-                return Err(invalid(
-                    "scale_factor",
-                    a.scale_factor,
-                    "2.0: FP16_Optimizer passed dynamic_loss_args to amp's LossScaler, which ignored scale_factor \
-                     and always halved and doubled the scale, so the Python run used 2 (drop the argument)",
-                ));
-            }
-            if a.scale_window == 0 {
-                return Err(invalid("scale_window", 0, "at least 1 clean pass"));
-            }
-            if !(a.init_scale.is_finite() && a.init_scale > 0.0) {
-                return Err(invalid("init_scale", a.init_scale, "a finite positive number"));
-            }
-            LegacyScalerState {
-                loss_scale: a.init_scale.min(a.max_loss_scale),
-                unskipped: 0,
-                dynamic: true,
-                scale_seq_len: a.scale_window,
-                min_loss_scale: a.min_loss_scale,
-                max_loss_scale: a.max_loss_scale,
-            }
-        } else {
-            if !(options.static_loss_scale.is_finite() && options.static_loss_scale > 0.0) {
-                return Err(invalid("static_loss_scale", options.static_loss_scale, "a finite positive number"));
-            }
-            LegacyScalerState {
-                loss_scale: options.static_loss_scale,
-                unskipped: 0,
-                dynamic: false,
-                scale_seq_len: 2000,
-                min_loss_scale: None,
-                max_loss_scale: LossScaler::DEFAULT_MAX_LOSS_SCALE,
-            }
-        };
+        let cfg = legacy_scaler(&options)?;
         let amp = scaler_amp(&cfg).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => AmpError::Config(ConfigError::InvalidOption {
                 option: "dynamic_loss_args",
@@ -320,27 +345,7 @@ impl Fp16Optimizer {
         })?;
         let scaler = amp.scaler(0)?.clone();
         let opt = amp.optimizer(vs, config, lr)?;
-        // Apex's order: parameter groups in order, each group's parameters as the model made them.
-        let order: Vec<(Tensor, usize)> = {
-            let v = vs.variables_.lock().map_err(|_| {
-                AmpError::torch(
-                    "locking the VarStore",
-                    "the lock is poisoned: another thread panicked while holding it",
-                )
-            })?;
-            v.trainable_variables.iter().map(|var| (var.tensor.shallow_clone(), var.group)).collect()
-        };
-        let vars = vs.variables();
-        let mut keyed = Vec::new();
-        for (name, target) in opt.param_names().into_iter().zip(opt.master_params()) {
-            let model = vars[name].shallow_clone();
-            let pos = order.iter().position(|(t, _)| t.is_set_to(&model));
-            let group = pos.map_or(0, |i| order[i].1);
-            let master = (model.kind() == Kind::Half).then_some(target);
-            keyed.push(((group, pos.unwrap_or(usize::MAX)), Slot { name: name.to_string(), group, model, master }));
-        }
-        keyed.sort_by_key(|(k, _)| *k);
-        let slots: Vec<Slot> = keyed.into_iter().map(|(_, s)| s).collect();
+        let slots = apex_order(vs, &opt)?;
         let mut groups: Vec<usize> = slots.iter().map(|s| s.group).collect();
         groups.sort_unstable();
         groups.dedup();
@@ -579,10 +584,11 @@ impl Fp16Optimizer {
         super::clip_grad_norm(&self.master_params(), max_norm, norm_type)
     }
 
-    /// Apex's `step()`: after an overflow nothing happens (returns `false`; Apex printed "Gradient
-    /// overflow.  Skipping step, reducing loss scale to ..." and returned None); otherwise the
-    /// wrapped optimizer updates the masters and fp32 variables from their gradients, each master
-    /// is rounded into its fp16 variable, and `true` is returned. The master gradients are released
+    /// Apex's `step()`: after an overflow nothing happens (returns [`StepOutcome::Skipped`] with
+    /// the reduced scale; Apex printed "Gradient overflow.  Skipping step, reducing loss scale to
+    /// ..." and returned None; [`Self::overflow`] is Apex's flag); otherwise the wrapped optimizer
+    /// updates the masters and fp32 variables from their gradients, each master is rounded into
+    /// its fp16 variable, and [`StepOutcome::Stepped`] is returned. The master gradients are released
     /// after the update (Apex kept them until `zero_grad`).
     ///
     /// # Errors
@@ -593,7 +599,7 @@ impl Fp16Optimizer {
     /// - as [`AmpOptimizer::step`].
     ///
     /// Nothing changes on these errors.
-    pub fn step(&mut self) -> Result<bool> {
+    pub fn step(&mut self) -> Result<StepOutcome> {
         if self.pending_update {
             return Err(AmpError::Usage(UsageError::CallOrder {
                 call: "step()",
@@ -602,24 +608,22 @@ impl Fp16Optimizer {
             }));
         }
         if self.overflow {
+            let loss_scale = self.scaler.loss_scale();
             if self.verbose {
-                log::warn!("Gradient overflow.  Skipping step, reducing loss scale to {}", self.scaler.loss_scale());
+                log::warn!("Gradient overflow.  Skipping step, reducing loss scale to {loss_scale}");
             }
-            return Ok(false);
+            return Ok(StepOutcome::Skipped { loss_id: 0, loss_scale });
         }
         if !self.fresh {
             return Err(AmpError::Usage(UsageError::NoGradients));
         }
         // The fp16 gradients were already unscaled into the masters; they stay in place, as
         // Apex leaves them.
-        let result = self.opt.step_keeping_model_grads();
-        match result? {
-            StepOutcome::Stepped => {
-                self.fresh = false;
-                Ok(true)
-            }
-            StepOutcome::Skipped { .. } => Ok(false),
+        let outcome = self.opt.step_keeping_model_grads()?;
+        if outcome.stepped() {
+            self.fresh = false;
         }
+        Ok(outcome)
     }
 
     /// Apex's `state_dict()`: the scaler, the flags, the wrapped optimizer's record and copies

@@ -187,26 +187,16 @@ pub fn to_python_float(t: &Tensor) -> Result<f64> {
 
 /// torch's `clip_grad_norm_(params, max_norm, norm_type)` (which `apex.fp16_utils` re-exports as
 /// `clip_grad_norm`), op for op: per-tensor norms in the order given, the norm of their stack,
-/// every gradient multiplied by `min(max_norm / (norm + 1e-6), 1)` (a non-finite norm scales by
-/// NaN, as torch's does). Parameters without a gradient are skipped; with none the norm is 0 and
+/// every gradient multiplied by `min(max_norm / (norm + 1e-6), 1)` computed as torch computes it
+/// (a non-finite norm scales by NaN, as torch's does). Parameters without a gradient are skipped; with none the norm is 0 and
 /// nothing changes. Returns the total norm.
 ///
 /// # Errors
 /// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) for a negative or
-/// non-finite `max_norm`, or a `norm_type` that is not positive; [`AmpError::Torch`] if an op
-/// fails.
+/// non-finite `max_norm`, or a `norm_type` that is not positive;
+/// [`UsageError::CallOrder`](crate::error::UsageError::CallOrder) for fp16/bf16 parameters none
+/// of which has a gradient (O2's are on the masters); [`AmpError::Torch`] if an op fails.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
-    crate::optim::check_clip_args(max_norm, norm_type)?;
-    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
-    if grads.is_empty() {
-        return Ok(0.0);
-    }
-    let _no_grad = tch::no_grad_guard();
-    let total = sys::total_norm(&grads, norm_type)?;
-    let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0).ctx("clip coefficient")?;
-    for g in &grads {
-        // A 0-dim fp32 factor, as torch's `_foreach_mul_(grads, clip_coef_clamped)`.
-        let _ = g.shallow_clone().f_mul_(&coef).ctx("clipping a gradient")?;
-    }
+    let total = crate::optim::clip_grads(params, max_norm, norm_type, crate::optim::NonFiniteNorm::Scale)?;
     total.f_double_value(&[]).ctx("reading the gradient norm")
 }

@@ -26,7 +26,7 @@ pub(crate) struct Group {
 
 /// An optimizer over a list of parameters (fp32 masters under O2), in groups.
 #[derive(Debug)]
-pub(crate) struct Optimizer {
+pub(crate) struct Engine {
     rule: Box<dyn UpdateRule>,
     /// The built-in configuration the rule was made from (`None` for a user's rule).
     config: Option<OptimizerConfig>,
@@ -39,6 +39,8 @@ pub(crate) struct Optimizer {
     /// Index into `groups` of each parameter.
     group_of: Vec<usize>,
     state: Vec<ParamState>,
+    /// The order the rule sees the parameters in (indices into `params`; empty: as stored).
+    step_order: Vec<usize>,
     /// fp16/bf16 parameters are updated in fp32 with fp32 state (else in their own dtype, as
     /// torch.optim and Apex's O3 do).
     fp32_state: bool,
@@ -57,7 +59,7 @@ pub(crate) fn check_lr(lr: f64) -> Result<()> {
     }
 }
 
-impl Optimizer {
+impl Engine {
     /// An optimizer with no parameter and no group yet.
     pub(crate) fn new(
         rule: Box<dyn UpdateRule>,
@@ -78,6 +80,7 @@ impl Optimizer {
             names: Vec::new(),
             group_of: Vec::new(),
             state: Vec::new(),
+            step_order: Vec::new(),
             fp32_state,
         })
     }
@@ -132,6 +135,12 @@ impl Optimizer {
     pub(crate) fn push_empty_group(&mut self, id: usize, lr: f64, hyper: HyperParams) -> usize {
         self.groups.push(Group { id, lr, hyper, step: 0 });
         self.groups.len() - 1
+    }
+
+    /// The order [`Self::step`] hands the parameters to the rule in (a permutation of the
+    /// parameters' indices; anything else keeps the stored order).
+    pub(crate) fn set_step_order(&mut self, order: Vec<usize>) {
+        self.step_order = order;
     }
 
     pub(crate) fn rule(&self) -> &dyn UpdateRule {
@@ -256,9 +265,17 @@ impl Optimizer {
         let mut per_group: Vec<Vec<ParamView<'_>>> = self.groups.iter().map(|_| Vec::new()).collect();
         let mut write_back: Vec<(Tensor, Tensor)> = Vec::new();
         let mut has_params = vec![false; self.groups.len()];
-        for (((param, st), name), &gi) in
-            self.params.iter().zip(self.state.iter_mut()).zip(&self.names).zip(&self.group_of)
-        {
+        let n = self.params.len();
+        let mut order: Vec<usize> = self.step_order.clone();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        if !sorted.iter().copied().eq(0..n) {
+            order = (0..n).collect();
+        }
+        let mut states: Vec<Option<&mut ParamState>> = self.state.iter_mut().map(Some).collect();
+        for i in order {
+            let (param, name, gi) = (&self.params[i], &self.names[i], self.group_of[i]);
+            let Some(st) = states[i].take() else { continue };
             has_params[gi] = true;
             let grad = param.grad();
             if !grad.defined() {
@@ -301,92 +318,3 @@ impl Optimizer {
 
 /// A parameter's state tensors by name.
 pub(crate) type ParamStateBuffers = BTreeMap<String, Tensor>;
-
-// ---- Updating one parameter slice by slice -----------------------------------------------------
-// O2's step materializes each fp32 master gradient a slice at a time, right before its update
-// (src/optim/amp_optimizer.rs), so that no full-size fp32 gradient exists. For an elementwise
-// rule ([`UpdateRule::is_elementwise`]) updating a parameter slice by slice gives its
-// whole-tensor update bit for bit: the rule is called with a group holding only the slice
-// (`param`, `grad` and a `ParamState` whose buffers are views of the full-size state).
-
-/// One slice of a parameter's gradient for [`Optimizer::update_in_slices`]: the fp32 gradient
-/// of the flat elements `[start, start + grad.numel())`.
-pub(crate) struct GradSlice {
-    pub(crate) start: i64,
-    pub(crate) grad: Tensor,
-}
-
-impl Optimizer {
-    /// Whether [`Self::update_in_slices`] may be used (the rule is elementwise).
-    pub(crate) fn updates_in_slices(&self) -> bool {
-        self.rule.is_elementwise()
-    }
-
-    /// Updates parameter `i` (contiguous, fp32 or fp64) from its gradient given slice by slice:
-    /// `next` yields the slices in order until the parameter is covered (`None` ends it), and
-    /// `done(start, len)` runs after each slice's update (O2 rounds the updated master slice into
-    /// the model there). The parameter's update count goes up once; the group's step count is
-    /// the one [`Self::step`] set this step (it runs first). State tensors the rule creates at a
-    /// parameter's first update are created full-size and filled slice by slice.
-    pub(crate) fn update_in_slices(
-        &mut self,
-        i: usize,
-        next: &mut dyn FnMut() -> Result<Option<GradSlice>>,
-        done: &mut dyn FnMut(i64, i64) -> Result<()>,
-    ) -> Result<()> {
-        let _no_grad = tch::no_grad_guard();
-        let gi = self.group_of[i];
-        let group = &self.groups[gi];
-        let param = self.params[i].shallow_clone();
-        let name = self.names[i].as_str();
-        let st = &mut self.state[i];
-        st.step += 1;
-        let flat = |t: &Tensor| t.f_view([-1]).ctx("a parameter slice");
-        let param_flat = flat(&param)?;
-        let numel = param_flat.numel() as i64;
-        // Existing state: flat views (parameter-shaped) or as they are (0-dim).
-        let mut state_flat: Vec<(String, Tensor, bool)> = Vec::new();
-        for (k, t) in &st.buffers {
-            let like_param = t.numel() as i64 == numel && t.dim() > 0;
-            state_flat.push((k.clone(), if like_param { flat(t)? } else { t.shallow_clone() }, like_param));
-        }
-        while let Some(GradSlice { start, grad }) = next()? {
-            let len = grad.numel() as i64;
-            let slice = |t: &Tensor| {
-                if len == numel {
-                    Ok(t.shallow_clone())
-                } else {
-                    t.f_narrow(0, start, len).ctx("a parameter slice")
-                }
-            };
-            let p = slice(&param_flat)?;
-            let mut view = ParamState { step: st.step, buffers: BTreeMap::new() };
-            for (k, t, like_param) in &state_flat {
-                view.buffers.insert(k.clone(), if *like_param { slice(t)? } else { t.shallow_clone() });
-            }
-            {
-                let pv = ParamView { name, param: p, grad, state: &mut view };
-                let mut views =
-                    [GroupView { id: group.id, lr: group.lr, hyper: &group.hyper, step: group.step, params: vec![pv] }];
-                self.rule.step(&mut views)?;
-            }
-            // State created for this slice (the parameter's first update): into full-size state.
-            for (k, t) in view.buffers {
-                if state_flat.iter().any(|(name, _, _)| *name == k) {
-                    continue;
-                }
-                if !st.buffers.contains_key(&k) {
-                    let full =
-                        Tensor::f_empty(param.size(), (t.kind(), t.device())).ctx("allocating optimizer state")?;
-                    st.buffers.insert(k.clone(), full);
-                }
-                flat(&st.buffers[&k])?
-                    .f_narrow(0, start, len)
-                    .and_then(|mut s| s.f_copy_(&t))
-                    .ctx("optimizer state slice")?;
-            }
-            done(start, len)?;
-        }
-        Ok(())
-    }
-}

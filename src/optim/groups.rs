@@ -67,7 +67,10 @@ impl Selector {
 /// [`crate::OptimizerConfig::hyper_parameters`] (or a user rule's [`crate::UpdateRule::defaults`]);
 /// an unknown key is [`ConfigError::UnknownHyperParameter`].
 ///
-/// Within a group, parameters are in VarStore-name order; groups keep the order given. A variable
+/// Within a group, parameters are in VarStore-name order ([`crate::AmpOptimizer::param_names`]);
+/// groups keep the order given. Torch checkpoints write one torch group per `ParamGroup`, in
+/// this order, each group's parameters in the model's creation order (Python's registration
+/// order, see [`crate::torch_checkpoint::default_param_order`]). A variable
 /// that two groups select is [`ConfigError::ParamInTwoGroups`] (torch: "some parameters appear in
 /// more than one parameter group"); a trainable variable no group selects is not optimized, as in
 /// torch.

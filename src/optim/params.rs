@@ -13,7 +13,8 @@ pub(crate) struct ParamEntry {
     name: String,
     model: Tensor,
     group: usize,
-    /// Position in the VarStore's creation order (model order, for diagnostics).
+    /// Position in the VarStore's creation order (model order: diagnostics and torch's parameter
+    /// order).
     order: usize,
     master: Option<Tensor>,
 }
@@ -125,6 +126,26 @@ pub(crate) fn build_entries(vs: &VarStore, prefixes: &[&str], master_weights: bo
         .filter(|c| under_prefix(&c.name, prefixes))
         .map(|c| c.into_entry(master_weights))
         .collect()
+}
+
+/// Creation order with each module's `weight` moved right before its `bias`: tch's linear and
+/// convolution layers create the bias first, torch's modules register the weight first (tch's
+/// other layers, batch norm, layer norm, group norm and the RNNs, create theirs in torch's order).
+pub(crate) fn torch_param_order(mut names: Vec<String>) -> Vec<String> {
+    let mut i = 0;
+    while i < names.len() {
+        let module = names[i].strip_suffix("bias").filter(|m| m.is_empty() || m.ends_with('.')).map(str::to_string);
+        if let Some(m) = module {
+            let weight = format!("{m}weight");
+            if let Some(j) = names[i + 1..].iter().position(|n| *n == weight) {
+                let w = names.remove(i + 1 + j);
+                names.insert(i, w);
+                i += 1;
+            }
+        }
+        i += 1;
+    }
+    names
 }
 
 /// model ← master (rounded to the model's dtype) for every entry with a master.

@@ -321,7 +321,11 @@ impl<'a> GroupView<'a> {
     pub fn step(&self) -> u64 {
         self.step
     }
-    /// The parameters with a gradient.
+    /// The parameters with a gradient, in torch's order: the model's creation order with each
+    /// module's weight before its bias (`model.parameters()`'s order in Python when the layers
+    /// are created in the order the Python module registers them). Rules that combine
+    /// parameters (LAMB's global gradient norm) combine them in this order, as torch.optim and
+    /// Apex iterate a group.
     pub fn params(&self) -> &[ParamView<'a>] {
         &self.params
     }
@@ -415,19 +419,4 @@ pub trait UpdateRule: std::fmt::Debug + Send {
     /// # Errors
     /// Whatever goes wrong; the optimizer reports it from `step()`.
     fn step(&self, groups: &mut [GroupView<'_>]) -> Result<()>;
-
-    /// Whether the update is elementwise: each element of a parameter and of its
-    /// parameter-shaped state is updated from the same elements of the gradient and state and
-    /// from the group's scalars only (no norm, no sum over the tensor). Default false.
-    ///
-    /// When true, O2's memory-saving step (see [`crate::AmpOptimizer::memory`]) may call
-    /// [`Self::step`] several times per step for one parameter, with one group holding one
-    /// [`ParamView`] whose `param`, `grad` and state tensors are a contiguous flat slice of
-    /// the parameter's (the state already counting this update; a state tensor created for a
-    /// slice is copied into a full-size one); the result must equal the whole-tensor update.
-    /// Rules with per-tensor or global norms (LAMB, NovoGrad) must leave it false: O2 then
-    /// makes every fp32 master gradient at once.
-    fn is_elementwise(&self) -> bool {
-        false
-    }
 }

@@ -153,31 +153,6 @@ impl OptimizerConfig {
         )
     }
 
-    /// Names of the per-parameter state buffers this optimizer keeps with its default
-    /// hyper-parameters (torch checkpoints, `src/torch_checkpoint/`).
-    pub(crate) fn buffer_names(&self) -> &'static [&'static str] {
-        match self.algorithm {
-            Algorithm::Sgd(c) if c.momentum != 0.0 => &["momentum_buffer"],
-            Algorithm::FusedSgd(c) if c.momentum != 0.0 => &["momentum_buffer"],
-            Algorithm::Sgd(_) | Algorithm::FusedSgd(_) => &[],
-            Algorithm::Adam(nn::Adam { amsgrad: true, .. }) | Algorithm::AdamW(nn::AdamW { amsgrad: true, .. }) => {
-                &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
-            }
-            Algorithm::Adam(_)
-            | Algorithm::AdamW(_)
-            | Algorithm::FusedAdam(_)
-            | Algorithm::FusedLamb(_)
-            | Algorithm::FusedNovoGrad(_) => &["exp_avg", "exp_avg_sq"],
-            Algorithm::FusedAdagrad(_) => &["sum"],
-            Algorithm::RmsProp(c) => match (c.momentum != 0.0, c.centered) {
-                (true, true) => &["square_avg", "momentum_buffer", "grad_avg"],
-                (true, false) => &["square_avg", "momentum_buffer"],
-                (false, true) => &["square_avg", "grad_avg"],
-                (false, false) => &["square_avg"],
-            },
-        }
-    }
-
     /// The hyper-parameters besides the learning rate, by torch.optim's (or Apex's) names
     /// (`momentum`, `dampening`, `weight_decay`, `nesterov`, `beta1`, `beta2`, `eps`,
     /// `amsgrad`, `alpha`, `centered`, `maximize`; Apex's `bias_correction`, `adam_w_mode`,
@@ -439,10 +414,6 @@ impl UpdateRule for BuiltinRule {
 
     fn state_spec(&self, hyper: &HyperParams) -> Vec<StateSpec> {
         self.config.state_spec(hyper)
-    }
-
-    fn is_elementwise(&self) -> bool {
-        !matches!(self.config.algorithm, Algorithm::FusedLamb(_) | Algorithm::FusedNovoGrad(_))
     }
 
     fn step(&self, groups: &mut [GroupView<'_>]) -> Result<()> {

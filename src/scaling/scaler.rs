@@ -134,31 +134,62 @@ impl LossScaler {
     /// A scaler as `initialize` makes it from `props`.
     pub fn new(props: &Properties) -> Self {
         let (dynamic, scale) = match props.loss_scale() {
-            LossScale::Dynamic => (true, Self::INITIAL_DYNAMIC_SCALE.min(props.max_loss_scale())),
+            LossScale::Dynamic => {
+                (true, props.init_loss_scale().unwrap_or(Self::INITIAL_DYNAMIC_SCALE.min(props.max_loss_scale())))
+            }
             LossScale::Static(s) => (false, s),
         };
+        let mut s = Self::with_rule(
+            dynamic,
+            scale,
+            props.min_loss_scale().unwrap_or(Self::DEFAULT_MIN_LOSS_SCALE),
+            props.max_loss_scale(),
+            Self::GROWTH_INTERVAL,
+            2.0,
+        );
+        s.check_static = props.check_static_overflow();
+        s.hysteresis = props.hysteresis();
+        s.consecutive_hysteresis = props.consecutive_hysteresis();
+        s.hysteresis_left = props.hysteresis();
+        s.recovery_interval = props.recovery_growth_interval();
+        s.collapse_limit = props.collapse_limit();
+        s.history_len = props.scale_history_len();
+        s
+    }
+
+    /// A scaler starting at `scale` (checked by the caller) that, when `dynamic`, multiplies it
+    /// by `growth_factor` after `growth_interval` clean passes and by `1 / growth_factor` at an
+    /// overflow, within `[min, max]`; no hysteresis, recovery, collapse detection or history.
+    pub(crate) fn with_rule(
+        dynamic: bool,
+        scale: f64,
+        min: f64,
+        max: f64,
+        growth_interval: u64,
+        growth_factor: f64,
+    ) -> Self {
         Self {
             dynamic,
-            check_static: props.check_static_overflow(),
+            check_static: false,
             scale,
             unskipped: 0,
-            min_scale: props.min_loss_scale().unwrap_or(Self::DEFAULT_MIN_LOSS_SCALE),
-            max_scale: props.max_loss_scale(),
-            growth_interval: Self::GROWTH_INTERVAL,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            hysteresis: props.hysteresis(),
-            consecutive_hysteresis: props.consecutive_hysteresis(),
-            hysteresis_left: props.hysteresis(),
-            recovery_interval: props.recovery_growth_interval(),
+            min_scale: min,
+            max_scale: max,
+            growth_interval,
+            growth_factor,
+            backoff_factor: 1.0 / growth_factor,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+            hysteresis_left: 1,
+            recovery_interval: None,
             recovery_target: None,
-            collapse_limit: props.collapse_limit(),
+            collapse_limit: 0,
             floor_overflows: Streak::default(),
             floor_zero_grads: Streak::default(),
             passes: 0,
             overflows: 0,
             history: Vec::new(),
-            history_len: props.scale_history_len(),
+            history_len: 0,
         }
     }
 

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::scaler::{LossScaler, ScalerState};
-use crate::error::{mismatch, Result};
+use crate::error::{mismatch, Result, TorchContext};
+use crate::torch_io::{Dict, Key, Node, Value as TorchValue};
 
 /// The scalers' state, keyed `loss_scaler0`, `loss_scaler1`, ... (a `BTreeMap`: stable files).
 pub type AmpState = BTreeMap<String, ScalerState>;
@@ -117,3 +118,59 @@ pub(crate) enum ParsedState {
 /// The largest growth interval a GradScaler state may carry: 2^53, where f64 still counts
 /// exactly (a larger one never grows anyway).
 const MAX_INTERVAL: f64 = 9_007_199_254_740_992.0;
+
+/// Apex's `amp.state_dict()` as a `torch.save` value: an OrderedDict `loss_scaler0`,
+/// `loss_scaler1`, ... (in loss order: Apex's load_state_dict assigns them in the dict's order)
+/// of `{'loss_scale': float, 'unskipped': int}` (plus tch-amp's `hysteresis_left` /
+/// `recovery_target` when set; Apex reads only its two keys).
+pub(crate) fn state_value(scalers: &[LossScaler]) -> TorchValue {
+    let mut d = Dict::new_ordered();
+    for (i, s) in scalers.iter().enumerate() {
+        let st = s.state();
+        let mut e = Dict::new()
+            .with("loss_scale", TorchValue::Float(st.loss_scale))
+            .with("unskipped", TorchValue::Int(i64::try_from(st.unskipped).unwrap_or(i64::MAX)));
+        if let Some(h) = st.hysteresis_left {
+            e.insert("hysteresis_left", TorchValue::Int(h.into()));
+        }
+        if let Some(t) = st.recovery_target {
+            e.insert("recovery_target", TorchValue::Float(t));
+        }
+        d.insert(format!("loss_scaler{i}"), TorchValue::Dict(e));
+    }
+    TorchValue::Dict(d)
+}
+
+/// An amp state read from a `torch.save` file (numbers, strings, containers) as the JSON
+/// [`parse_state`] checks.
+pub(crate) fn to_json(node: &Node<'_>) -> Result<Value> {
+    let bad = |message: &str| mismatch(format!("{}: {message}", node.path()));
+    Ok(match node.value() {
+        TorchValue::None => Value::Null,
+        TorchValue::Bool(b) => Value::Bool(*b),
+        TorchValue::Int(i) => Value::from(*i),
+        TorchValue::Float(f) => {
+            Value::Number(serde_json::Number::from_f64(*f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
+        }
+        TorchValue::Str(s) => Value::String(s.clone()),
+        TorchValue::Tensor(t) if t.numel() == 1 => {
+            let f = t.f_reshape([]).and_then(|t| t.f_double_value(&[])).ctx("reading the amp state")?;
+            Value::Number(serde_json::Number::from_f64(f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
+        }
+        TorchValue::List(_) | TorchValue::Tuple(_) => Value::Array(
+            node.elements().map_err(|e| mismatch(e.to_string()))?.iter().map(to_json).collect::<Result<_>>()?,
+        ),
+        TorchValue::Dict(_) => {
+            let mut m = serde_json::Map::new();
+            for (k, v) in node.entries().map_err(|e| mismatch(e.to_string()))? {
+                let key = match k {
+                    Key::Str(s) => s.clone(),
+                    Key::Int(i) => return Err(bad(&format!("has the int key {i}; the amp state's keys are names"))),
+                };
+                m.insert(key, to_json(&v)?);
+            }
+            Value::Object(m)
+        }
+        other => return Err(bad(&format!("a {} in the amp state", other.type_name()))),
+    })
+}

@@ -44,6 +44,13 @@ char* tch_amp_set_grad(at::Tensor* tensor, at::Tensor* grad) {
   })
 }
 
+// `tensor.backward(retain_graph=keep_graph)`: accumulates into the leaves' `.grad` as torch's
+// `Tensor.backward` does; with keep_graph the graph survives for another backward (tch's
+// `Tensor::backward` always frees it).
+char* tch_amp_backward(at::Tensor* tensor, int keep_graph) {
+  TCH_AMP_PROTECT(tensor->backward({}, keep_graph != 0, false))
+}
+
 // In place: every tensor in `grads` is multiplied by `inv_scale` (a 1-element fp32 tensor)
 // and `found_inf` (a 1-element fp32 tensor) becomes 1 when any element of any grad is inf or
 // NaN. One fused pass per dtype group (libtorch's _amp_foreach_non_finite_check_and_unscale_;

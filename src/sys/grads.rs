@@ -10,6 +10,7 @@ use crate::error::{Result, TorchContext};
 
 extern "C" {
     fn tch_amp_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+    fn tch_amp_backward(tensor: *mut C_tensor, keep_graph: c_int) -> *mut c_char;
     fn tch_amp_unscale_(
         grads: *const *mut C_tensor,
         n: c_int,
@@ -30,6 +31,18 @@ pub(crate) fn set_grad(t: &Tensor, grad: Option<&Tensor>) -> Result<()> {
     let g = grad.map_or(std::ptr::null_mut(), ptr);
     // SAFETY: `t` (and `grad` when given) are live at::Tensor handles; NULL means undefined.
     check(unsafe { tch_amp_set_grad(ptr(t), g) }, "set_grad")
+}
+
+/// `t.backward(retain_graph=keep_graph)` (see [`crate::optim::backward`]); libtorch's message as
+/// a [`tch::TchError::Torch`].
+pub(crate) fn backward(t: &Tensor, keep_graph: bool) -> std::result::Result<(), tch::TchError> {
+    // SAFETY: `t` is a live at::Tensor handle for the duration of the call.
+    let err = unsafe { tch_amp_backward(ptr(t), c_int::from(keep_graph)) };
+    if err.is_null() {
+        Ok(())
+    } else {
+        Err(tch::TchError::Torch(super::take_string(err)))
+    }
 }
 
 /// libtorch's `_amp_foreach_non_finite_check_and_unscale_` over `grads` (see

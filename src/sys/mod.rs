@@ -14,6 +14,7 @@ use torch_sys::C_tensor;
 use crate::error::{AmpError, Result};
 
 mod autocast;
+pub(crate) mod autograd;
 pub(crate) mod cast;
 pub(crate) mod cpu;
 pub(crate) mod distributed;
@@ -24,7 +25,7 @@ pub(crate) use autocast::{
     autocast_cache_enabled, autocast_clear_cache, autocast_get, autocast_nesting, autocast_set, find_schema,
     set_allow_tf32,
 };
-pub(crate) use grads::{non_finite_check_, set_grad, total_norm, unscale_, vector_norm};
+pub(crate) use grads::{backward, non_finite_check_, set_grad, total_norm, unscale_, vector_norm};
 pub(crate) use optim::{
     add, add_, add_float_, addcdiv_, addcmul, addcmul_, div_float, fused_adam_, mul_float_, FusedAdamArgs,
     FusedAdamHyper,

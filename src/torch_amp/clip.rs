@@ -1,12 +1,9 @@
 //! `torch.nn.utils.clip_grad_norm_`, op for op as PyTorch 2.13 runs it on CPU, for the
 //! "unscale_ then clip" recipe with any optimizer's parameters.
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use super::error::Result;
-#[cfg(doc)]
-use super::error::TorchAmpError;
-use crate::optim::check_clip_args;
-use crate::sys;
+use crate::error::Result;
+use crate::optim::{clip_grads, NonFiniteNorm};
 
 /// torch's `clip_grad_norm_(params, max_norm, norm_type)`: the total `norm_type`-norm of the
 /// gradients of `params` (each gradient's norm, then the norm of those), and when it exceeds
@@ -21,20 +18,10 @@ use crate::sys;
 /// fp32 (torch computes an fp16/bf16 gradient's norm in its own dtype).
 ///
 /// # Errors
-/// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) (as
-/// [`TorchAmpError::Amp`]) for a `max_norm` that is not finite and >= 0, or a `norm_type` that is
-/// not positive.
+/// [`ConfigError::InvalidOption`](crate::error::ConfigError::InvalidOption) for a `max_norm` that
+/// is not finite and >= 0, or a `norm_type` that is not positive;
+/// [`UsageError::CallOrder`](crate::error::UsageError::CallOrder) for fp16/bf16 parameters none of
+/// which has a gradient (the Apex path's O2 keeps them on the fp32 masters: clip those).
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Tensor> {
-    check_clip_args(max_norm, norm_type)?;
-    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).filter(Tensor::defined).collect();
-    if grads.is_empty() {
-        return Ok(Tensor::f_zeros([], (Kind::Float, tch::Device::Cpu))?);
-    }
-    let _no_grad = tch::no_grad_guard();
-    let total = sys::total_norm(&grads, norm_type)?;
-    let coef = total.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
-    for g in &grads {
-        let _ = g.shallow_clone().f_mul_(&coef.f_to_device(g.device())?)?;
-    }
-    Ok(total)
+    clip_grads(params, max_norm, norm_type, NonFiniteNorm::Scale)
 }

@@ -5,8 +5,10 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use super::error::{Result, TorchAmpError};
-use super::optimizer::ScalerOptimizer;
+use crate::config::rules::{backoff_factor as check_backoff, positive_scale as check_scale};
+use crate::error::{mismatch, AmpError, ConfigError, Result, UsageError};
+use crate::optim::Optimizer;
+use crate::optim::StepOutcome;
 use crate::sys;
 use crate::torch_io::{self, Dict, Value};
 
@@ -62,20 +64,14 @@ impl GradScalerOptions {
     }
 }
 
-/// What [`GradScaler::step`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScalerStep {
-    /// `optimizer.step()` ran.
-    Stepped,
-    /// The gradients held inf/NaN: the optimizer did not step (torch skips silently).
-    Skipped,
-}
-
-impl ScalerStep {
-    /// Whether the optimizer stepped.
-    pub fn stepped(self) -> bool {
-        self == ScalerStep::Stepped
-    }
+/// A state dict [`GradScaler::check_state_dict`] accepted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CheckedState {
+    scale: f64,
+    growth: f64,
+    backoff: f64,
+    interval: i64,
+    tracker: i64,
 }
 
 /// torch's `OptState`: where one optimizer is within the current iteration.
@@ -95,51 +91,44 @@ struct PerOptimizer {
     found_inf: Vec<(Device, Tensor)>,
 }
 
-fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -> TorchAmpError {
-    TorchAmpError::InvalidOption { option, value: value.to_string(), expected }
+fn invalid(option: &'static str, value: impl ToString, expected: &'static str) -> AmpError {
+    AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
-fn check_scale(option: &'static str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(invalid(option, v, "a finite number > 0"))
-    }
+/// A call out of torch's per-optimizer order, in torch's words.
+fn order(call: &'static str, when: &'static str, remedy: &'static str) -> AmpError {
+    AmpError::Usage(UsageError::CallOrder { call, when, remedy })
+}
+
+/// `call` before the first `scale` (torch: "Attempted step but _scale is None").
+fn not_initialized(call: &'static str) -> AmpError {
+    order(call, "before the scale is initialized", "scale the loss with scaler.scale(&loss) earlier in the iteration")
 }
 
 fn check_growth(v: f64) -> Result<f64> {
-    if v.is_finite() && v > 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid("growth_factor", v, "a finite number > 1"))
-    }
-}
-
-fn check_backoff(v: f64) -> Result<f64> {
-    if v > 0.0 && v < 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid("backoff_factor", v, "a number in (0, 1)"))
-    }
+    crate::config::rules::growth_factor("growth_factor", v)
 }
 
 fn check_interval(v: i64) -> Result<i64> {
-    if v >= 1 {
-        Ok(v)
-    } else {
-        Err(invalid("growth_interval", v, "an integer >= 1"))
-    }
+    crate::config::rules::growth_interval("growth_interval", v)
 }
 
 fn check_device(device: Device) -> Result<Device> {
     match device {
         Device::Cpu | Device::Cuda(_) => Ok(device),
-        other => Err(TorchAmpError::UnsupportedDevice { device: other }),
+        other => Err(invalid("device", format!("{other:?}"), "Device::Cpu or Device::Cuda(_)")),
     }
 }
 
+/// [`UsageError::BadLoss`] for a tensor `GradScaler::scale` cannot scale.
+fn not_floating(t: &Tensor) -> AmpError {
+    let problem =
+        format!("is a {:?} tensor: scale the floating-point loss (or outputs), not an integer tensor", t.kind());
+    AmpError::Usage(UsageError::BadLoss { call: "GradScaler::scale", problem })
+}
+
 /// The address of an optimizer: its identity within an iteration (torch's `id(optimizer)`).
-fn optimizer_id<O: ScalerOptimizer + ?Sized>(optimizer: &O) -> usize {
+fn optimizer_id<O: Optimizer + ?Sized>(optimizer: &O) -> usize {
     (optimizer as *const O).cast::<()>() as usize
 }
 
@@ -154,7 +143,7 @@ fn optimizer_id<O: ScalerOptimizer + ?Sized>(optimizer: &O) -> usize {
 /// and `get_scale`/`state_dict`.
 ///
 /// ```
-/// # fn main() -> Result<(), tch_amp::torch_amp::TorchAmpError> {
+/// # fn main() -> Result<(), tch_amp::AmpError> {
 /// use tch::nn::{self, Module, OptimizerConfig};
 /// use tch::{Device, Kind, Tensor};
 /// use tch_amp::GradScaler;
@@ -178,7 +167,7 @@ fn optimizer_id<O: ScalerOptimizer + ?Sized>(optimizer: &O) -> usize {
 /// - Bad options are errors (torch asserts only `growth_factor > 1` and `backoff_factor < 1`),
 ///   and they are checked even for a disabled scaler.
 /// - Sparse gradients are not supported (torch coalesces sparse fp16 ones).
-/// - `step` returns [`ScalerStep`] (torch returns `optimizer.step()`'s value, or None when
+/// - `step` returns [`StepOutcome`] (torch returns `optimizer.step()`'s value, or None when
 ///   skipping).
 #[derive(Debug)]
 pub struct GradScaler {
@@ -205,9 +194,9 @@ impl GradScaler {
     /// `GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)`.
     ///
     /// # Errors
-    /// [`TorchAmpError::InvalidOption`] for a non-finite or non-positive `init_scale`,
-    /// `growth_factor <= 1`, `backoff_factor` outside (0, 1), `growth_interval < 1`;
-    /// [`TorchAmpError::UnsupportedDevice`] for a device other than CPU/CUDA.
+    /// [`ConfigError::InvalidOption`] for a non-finite or non-positive `init_scale`,
+    /// `growth_factor <= 1`, `backoff_factor` outside (0, 1), `growth_interval < 1`, or a device
+    /// other than CPU/CUDA.
     pub fn with_options(device: Device, options: GradScalerOptions) -> Result<Self> {
         check_device(device)?;
         check_scale("init_scale", options.init_scale)?;
@@ -247,21 +236,21 @@ impl GradScaler {
     }
 
     fn initialized(&self, call: &'static str) -> Result<&Tensor> {
-        self.scale.as_ref().ok_or(TorchAmpError::ScaleNotInitialized { call })
+        self.scale.as_ref().ok_or_else(|| not_initialized(call))
     }
 
     /// `outputs * scale` (the scale moved to `outputs`' device). The first call puts the scale
     /// on that device. Disabled: `outputs` itself (a shallow handle).
     ///
     /// # Errors
-    /// [`TorchAmpError::NotFloatingPoint`] for an integer or bool tensor;
-    /// [`TorchAmpError::UnsupportedDevice`] off CPU/CUDA.
+    /// [`UsageError::BadLoss`] for an integer or bool tensor; [`ConfigError::InvalidOption`] off
+    /// CPU/CUDA.
     pub fn scale(&mut self, outputs: &Tensor) -> Result<Tensor> {
         if !self.enabled {
             return Ok(outputs.shallow_clone());
         }
         if !outputs.is_floating_point() {
-            return Err(TorchAmpError::NotFloatingPoint { dtype: outputs.kind() });
+            return Err(not_floating(outputs));
         }
         let device = check_device(outputs.device())?;
         let scale = self.lazy_init(device)?.f_to_device(device)?;
@@ -279,7 +268,7 @@ impl GradScaler {
         }
         for t in outputs {
             if !t.is_floating_point() {
-                return Err(TorchAmpError::NotFloatingPoint { dtype: t.kind() });
+                return Err(not_floating(t));
             }
             check_device(t.device())?;
         }
@@ -302,17 +291,25 @@ impl GradScaler {
     /// per optimizer per iteration. Disabled: does nothing.
     ///
     /// # Errors
-    /// [`TorchAmpError::UnscaleTwice`], [`TorchAmpError::UnscaleAfterStep`],
-    /// [`TorchAmpError::ScaleNotInitialized`] (no `scale` yet),
-    /// [`TorchAmpError::UnscaleFp16Gradients`] for an fp16 gradient (nothing unscaled then).
-    pub fn unscale_<O: ScalerOptimizer + ?Sized>(&mut self, optimizer: &O) -> Result<()> {
+    /// [`UsageError::CallOrder`] for a second `unscale_` or one after `step` in the iteration, or
+    /// before any `scale`; [`UsageError::UnscaleFp16Gradients`] for an fp16 gradient (nothing
+    /// unscaled then).
+    pub fn unscale_<O: Optimizer + ?Sized>(&mut self, optimizer: &O) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
-        self.initialized("unscale_")?;
+        self.initialized("unscale_()")?;
         match self.state_mut(optimizer_id(optimizer)).stage {
-            Stage::Unscaled => return Err(TorchAmpError::UnscaleTwice),
-            Stage::Stepped => return Err(TorchAmpError::UnscaleAfterStep),
+            Stage::Unscaled => {
+                return Err(order(
+                    "unscale_()",
+                    "twice on this optimizer since the last update()",
+                    "call it once per step",
+                ))
+            }
+            Stage::Stepped => {
+                return Err(order("unscale_()", "after step()", "unscale before stepping, then call update()"))
+            }
             Stage::Ready => {}
         }
         let found_inf = self.unscale_grads(&optimizer.params())?;
@@ -325,7 +322,7 @@ impl GradScaler {
     /// torch's `_unscale_grads_`: gradients grouped by (device, dtype), one fused
     /// unscale-and-check per group; one inf flag per device.
     fn unscale_grads(&self, params: &[Tensor]) -> Result<Vec<(Device, Tensor)>> {
-        let scale = self.initialized("unscale_")?;
+        let scale = self.initialized("unscale_()")?;
         let inv_scale = scale.f_to_kind(Kind::Double)?.f_reciprocal()?.f_to_kind(Kind::Float)?;
         let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
         for (index, p) in params.iter().enumerate() {
@@ -334,7 +331,7 @@ impl GradScaler {
                 continue;
             }
             if g.kind() == Kind::Half {
-                return Err(TorchAmpError::UnscaleFp16Gradients { index });
+                return Err(AmpError::Usage(UsageError::UnscaleFp16Gradients { index }));
             }
             let key = (g.device(), g.kind());
             match groups.iter_mut().find(|(k, _)| *k == key) {
@@ -351,7 +348,7 @@ impl GradScaler {
             let (_, found, inv) = per_device
                 .iter()
                 .find(|(d, _, _)| d == device)
-                .ok_or(TorchAmpError::UnsupportedDevice { device: *device })?;
+                .ok_or_else(|| mismatch("a gradient's device has no inf flag"))?;
             let _no_grad = tch::no_grad_guard();
             sys::unscale_(grads, found, inv)?;
         }
@@ -363,24 +360,35 @@ impl GradScaler {
     /// sync per device). Disabled: `optimizer.step()`.
     ///
     /// # Errors
-    /// [`TorchAmpError::StepTwice`] (no `update` since this optimizer's last step),
-    /// [`TorchAmpError::NoInfChecksForOptimizer`] when no parameter has a gradient, the errors of
+    /// [`UsageError::CallOrder`] for a second `step` of the optimizer with no `update` in between,
+    /// or when no parameter has a gradient (torch: "No inf checks were recorded for this
+    /// optimizer."); the errors of
     /// [`Self::unscale_`], and the optimizer's own.
-    pub fn step<O: ScalerOptimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<ScalerStep> {
+    pub fn step<O: Optimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<StepOutcome> {
         if !self.enabled {
             optimizer.step()?;
-            return Ok(ScalerStep::Stepped);
+            return Ok(StepOutcome::Stepped);
         }
-        self.initialized("step")?;
+        self.initialized("step()")?;
         let id = optimizer_id(optimizer);
         match self.state_mut(id).stage {
-            Stage::Stepped => return Err(TorchAmpError::StepTwice),
+            Stage::Stepped => {
+                return Err(order(
+                    "step()",
+                    "twice for this optimizer since the last update()",
+                    "call scaler.update() after each step",
+                ))
+            }
             Stage::Ready => self.unscale_(optimizer)?,
             Stage::Unscaled => {}
         }
         let state = self.state_mut(id);
         if state.found_inf.is_empty() {
-            return Err(TorchAmpError::NoInfChecksForOptimizer);
+            return Err(order(
+                "scaler.step()",
+                "with no gradient on any of the optimizer's parameters (no inf checks were recorded for it)",
+                "run backward on scaler.scale(&loss) before step()",
+            ));
         }
         let mut found = 0.0;
         for (_, flag) in &state.found_inf {
@@ -388,10 +396,12 @@ impl GradScaler {
         }
         let outcome = if found == 0.0 {
             optimizer.step()?;
-            ScalerStep::Stepped
+            StepOutcome::Stepped
         } else {
             log::debug!("GradScaler: inf/NaN gradients, step skipped");
-            ScalerStep::Skipped
+            // The scale update() will set: torch's _amp_update_scale_ multiplies in fp32.
+            let loss_scale = f64::from(self.get_scale() as f32 * self.backoff_factor as f32);
+            StepOutcome::Skipped { loss_id: 0, loss_scale }
         };
         self.state_mut(id).stage = Stage::Stepped;
         Ok(outcome)
@@ -403,22 +413,28 @@ impl GradScaler {
     /// No host sync. Disabled: does nothing.
     ///
     /// # Errors
-    /// [`TorchAmpError::ScaleNotInitialized`], [`TorchAmpError::NoInfChecks`] (no `step` or
-    /// `unscale_` since the last update).
+    /// [`UsageError::CallOrder`] before any `scale`, or with no `step` or `unscale_` since the
+    /// last update (torch: "No inf checks were recorded prior to update.").
     pub fn update(&mut self) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
-        let scale = self.initialized("update")?;
+        let scale = self.initialized("update()")?;
         let device = scale.device();
         let mut flags = self.per_optimizer.iter().flat_map(|s| s.found_inf.iter().map(|(_, f)| f));
-        let Some(first) = flags.next() else { return Err(TorchAmpError::NoInfChecks) };
+        let Some(first) = flags.next() else {
+            return Err(order(
+                "update()",
+                "with no inf checks recorded since the last update",
+                "call scaler.step(optimizer) (or unscale_) before update()",
+            ));
+        };
         let mut combined = first.f_to_device(device)?;
         for f in flags {
             let _ = combined.f_add_(&f.f_to_device(device)?)?;
         }
         let (Some(scale), Some(tracker)) = (self.scale.as_mut(), self.growth_tracker.as_ref()) else {
-            return Err(TorchAmpError::ScaleNotInitialized { call: "update" });
+            return Err(not_initialized("update()"));
         };
         let _ = scale.f_internal_amp_update_scale_(
             tracker,
@@ -435,14 +451,14 @@ impl GradScaler {
     /// for the next iteration; the growth tracker is kept. Disabled: does nothing.
     ///
     /// # Errors
-    /// [`TorchAmpError::InvalidOption`] for a scale that is not finite and > 0 (nothing
-    /// changed); [`TorchAmpError::ScaleNotInitialized`].
+    /// [`ConfigError::InvalidOption`] for a scale that is not finite and > 0 (nothing changed);
+    /// [`UsageError::CallOrder`] before any `scale`.
     pub fn update_to(&mut self, new_scale: f64) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
         check_scale("new_scale", new_scale)?;
-        self.initialized("update")?;
+        self.initialized("update()")?;
         if let Some(scale) = self.scale.as_mut() {
             let _ = scale.f_fill_(new_scale)?;
         }
@@ -483,7 +499,7 @@ impl GradScaler {
     /// Sets the growth factor.
     ///
     /// # Errors
-    /// [`TorchAmpError::InvalidOption`] unless finite and > 1.
+    /// [`ConfigError::InvalidOption`] unless finite and > 1.
     pub fn set_growth_factor(&mut self, v: f64) -> Result<()> {
         self.growth_factor = check_growth(v)?;
         Ok(())
@@ -497,7 +513,7 @@ impl GradScaler {
     /// Sets the backoff factor.
     ///
     /// # Errors
-    /// [`TorchAmpError::InvalidOption`] unless in (0, 1).
+    /// [`ConfigError::InvalidOption`] unless in (0, 1).
     pub fn set_backoff_factor(&mut self, v: f64) -> Result<()> {
         self.backoff_factor = check_backoff(v)?;
         Ok(())
@@ -511,7 +527,7 @@ impl GradScaler {
     /// Sets the growth interval.
     ///
     /// # Errors
-    /// [`TorchAmpError::InvalidOption`] unless >= 1.
+    /// [`ConfigError::InvalidOption`] unless >= 1.
     pub fn set_growth_interval(&mut self, v: i64) -> Result<()> {
         self.growth_interval = check_interval(v)?;
         Ok(())
@@ -542,14 +558,30 @@ impl GradScaler {
     /// nothing.
     ///
     /// # Errors
-    /// [`TorchAmpError::StateDict`]: not a dict, empty (saved from a disabled scaler), a key
+    /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch): not a dict, empty (saved from a disabled scaler), a key
     /// missing or of the wrong type (floats may be given as ints), a scale that is not finite
     /// and > 0, factors or interval out of range, a tracker outside 0..2^31.
     pub fn load_state_dict(&mut self, state: &Value) -> Result<()> {
-        if !self.enabled {
-            return Ok(());
+        let Some(s) = self.check_state_dict(state)? else { return Ok(()) };
+        if let (Some(scale), Some(tracker)) = (self.scale.as_mut(), self.growth_tracker.as_mut()) {
+            let _ = scale.f_fill_(s.scale)?;
+            let _ = tracker.f_fill_(s.tracker)?;
         }
-        let bad = |message: String| TorchAmpError::StateDict { message };
+        self.init_scale = s.scale;
+        self.init_growth_tracker = s.tracker;
+        self.growth_factor = s.growth;
+        self.backoff_factor = s.backoff;
+        self.growth_interval = s.interval;
+        Ok(())
+    }
+
+    /// [`Self::load_state_dict`]'s checks, without applying anything: the values to apply, or
+    /// `None` for a disabled scaler (which loads nothing).
+    pub(crate) fn check_state_dict(&self, state: &Value) -> Result<Option<CheckedState>> {
+        if !self.enabled {
+            return Ok(None);
+        }
+        let bad = |message: String| mismatch(format!("GradScaler state dict: {message}"));
         let Value::Dict(d) = state else {
             return Err(bad(format!("expected a dict, found a {}", state.type_name())));
         };
@@ -570,7 +602,7 @@ impl GradScaler {
                 other => Err(bad(format!("{key:?} must be an int, found a {}", other.type_name()))),
             }
         };
-        let in_range = |e: TorchAmpError| bad(e.to_string());
+        let in_range = |e: AmpError| bad(e.to_string());
         let scale = check_scale("scale", float("scale")?).map_err(in_range)?;
         let growth = check_growth(float("growth_factor")?).map_err(in_range)?;
         let backoff = check_backoff(float("backoff_factor")?).map_err(in_range)?;
@@ -579,23 +611,14 @@ impl GradScaler {
         if !(0..=i64::from(i32::MAX)).contains(&tracker) {
             return Err(bad(format!("_growth_tracker {tracker} must be in 0..2^31")));
         }
-        if let (Some(s), Some(t)) = (self.scale.as_mut(), self.growth_tracker.as_mut()) {
-            let _ = s.f_fill_(scale)?;
-            let _ = t.f_fill_(tracker)?;
-        }
-        self.init_scale = scale;
-        self.init_growth_tracker = tracker;
-        self.growth_factor = growth;
-        self.backoff_factor = backoff;
-        self.growth_interval = interval;
-        Ok(())
+        Ok(Some(CheckedState { scale, growth, backoff, interval, tracker }))
     }
 
     /// Writes [`Self::state_dict`] to `path` in `torch.save`'s format
     /// (`torch.load(path)` gives torch's `scaler.state_dict()`).
     ///
     /// # Errors
-    /// [`TorchAmpError::TorchIo`] when the file cannot be written.
+    /// [`AmpError::File`] when the file cannot be written.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         Ok(torch_io::save(path, &self.state_dict())?)
     }
@@ -603,7 +626,7 @@ impl GradScaler {
     /// Loads a state written by `torch.save(scaler.state_dict(), path)` or [`Self::save`].
     ///
     /// # Errors
-    /// [`TorchAmpError::TorchIo`] when the file cannot be read; as [`Self::load_state_dict`].
+    /// [`AmpError::File`] when the file cannot be read; as [`Self::load_state_dict`].
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let value = torch_io::load(path)?;
         self.load_state_dict(&value)

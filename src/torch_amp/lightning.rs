@@ -4,8 +4,8 @@ use std::str::FromStr;
 
 use tch::Kind;
 
-use super::error::{Result, TorchAmpError};
 use crate::config::OptLevel;
+use crate::error::{AmpError, ConfigError, Result};
 
 /// What a Lightning precision flag sets up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,7 +22,7 @@ pub enum Precision {
     },
     /// The model itself in `dtype`, no autocast, no scaler (`"16-true"`, `"bf16-true"`,
     /// `"64-true"`).
-    True {
+    Pure {
         /// The model's dtype.
         dtype: Kind,
     },
@@ -35,11 +35,12 @@ pub enum Precision {
 }
 
 /// Lightning 2.x's accepted values, in its order (`_PRECISION_INPUT_STR`).
-const ALLOWED: &str = "\"16-true\", \"16-mixed\", \"bf16-true\", \"bf16-mixed\", \"32-true\", \"64-true\" \
-                       (and the legacy 16, 32, 64, \"bf16\")";
+const ALLOWED: &str = "one of Lightning's \"16-true\", \"16-mixed\", \"bf16-true\", \"bf16-mixed\", \"32-true\", \
+                       \"64-true\" (and the legacy 16, 32, 64, \"bf16\")";
 
-fn refuse(value: &str, why: impl Into<String>) -> TorchAmpError {
-    TorchAmpError::Precision { value: value.to_string(), why: why.into() }
+/// [`ConfigError::InvalidOption`] for a flag Lightning refuses.
+fn refuse(option: &'static str, value: &str, expected: &'static str) -> AmpError {
+    AmpError::Config(ConfigError::InvalidOption { option, value: value.to_string(), expected })
 }
 
 impl Precision {
@@ -48,7 +49,7 @@ impl Precision {
     /// `"bf16-mixed"`), with Lightning's deprecation message through `log`.
     ///
     /// # Errors
-    /// [`TorchAmpError::Precision`] for a value Lightning rejects, and for
+    /// [`ConfigError::InvalidOption`] for a value Lightning rejects, and for
     /// `"transformer-engine"` (not available in tch-amp).
     pub fn parse(flag: &str) -> Result<Self> {
         let canonical = match flag {
@@ -67,13 +68,17 @@ impl Precision {
             "32-true" => Precision::Fp32,
             "16-mixed" => Precision::Mixed { dtype: Kind::Half, grad_scaler: true },
             "bf16-mixed" => Precision::Mixed { dtype: Kind::BFloat16, grad_scaler: false },
-            "16-true" => Precision::True { dtype: Kind::Half },
-            "bf16-true" => Precision::True { dtype: Kind::BFloat16 },
-            "64-true" => Precision::True { dtype: Kind::Double },
+            "16-true" => Precision::Pure { dtype: Kind::Half },
+            "bf16-true" => Precision::Pure { dtype: Kind::BFloat16 },
+            "64-true" => Precision::Pure { dtype: Kind::Double },
             te if te.starts_with("transformer-engine") => {
-                return Err(refuse(flag, "NVIDIA Transformer Engine is not available in tch-amp; use \"bf16-mixed\""))
+                return Err(refuse(
+                    "precision",
+                    flag,
+                    "not \"transformer-engine\" (not available in tch-amp; use \"bf16-mixed\")",
+                ))
             }
-            _ => return Err(refuse(flag, format!("invalid; Lightning allows {ALLOWED}"))),
+            _ => return Err(refuse("precision", flag, ALLOWED)),
         })
     }
 
@@ -83,42 +88,40 @@ impl Precision {
     /// `"apex"`.
     ///
     /// # Errors
-    /// [`TorchAmpError::Precision`] where Lightning 1.x raised: an unknown precision or backend,
+    /// [`ConfigError::InvalidOption`] where Lightning 1.x raised: an unknown precision or backend,
     /// `amp_level` without `amp_backend="apex"`, `"bf16"` with apex, an `amp_level` that is
     /// not an opt level.
     pub fn parse_v1(precision: &str, amp_backend: &str, amp_level: Option<&str>) -> Result<Self> {
         let apex = match amp_backend.to_ascii_lowercase().as_str() {
             "native" => false,
             "apex" => true,
-            _ => {
-                return Err(refuse(
-                    amp_backend,
-                    "an unknown amp_backend; Lightning 1.x allows amp_backend=\"native\" or \"apex\"",
-                ))
-            }
+            _ => return Err(refuse("amp_backend", amp_backend, "\"native\" or \"apex\" (Lightning 1.x)")),
         };
         if let (Some(level), false) = (amp_level, apex) {
             return Err(refuse(
+                "amp_level",
                 level,
-                "amp_level is only supported with amp_backend=\"apex\"; drop amp_level or pass amp_backend=\"apex\"",
+                "no amp_level unless amp_backend=\"apex\" (drop it, or pass amp_backend=\"apex\")",
             ));
         }
         match precision {
             "16" if apex => {
                 let opt_level = match amp_level {
                     None => OptLevel::O2,
-                    Some(l) => OptLevel::from_str(l).map_err(|e| refuse(l, e.to_string()))?,
+                    Some(l) => OptLevel::from_str(l).map_err(|_| {
+                        refuse("amp_level", l, "\"O0\", \"O1\", \"O2\" or \"O3\" (the letter O, not zero)")
+                    })?,
                 };
                 Ok(Precision::Apex { opt_level })
             }
             "16" => Ok(Precision::Mixed { dtype: Kind::Half, grad_scaler: true }),
             "bf16" if apex => {
-                Err(refuse(precision, "bf16 is not supported with amp_backend=\"apex\"; use amp_backend=\"native\""))
+                Err(refuse("precision", precision, "16, 32 or 64 with amp_backend=\"apex\" (bf16 needs \"native\")"))
             }
             "bf16" => Ok(Precision::Mixed { dtype: Kind::BFloat16, grad_scaler: false }),
             "32" => Ok(Precision::Fp32),
-            "64" => Ok(Precision::True { dtype: Kind::Double }),
-            _ => Err(refuse(precision, "invalid; Lightning 1.x allows 16, 32, 64 or \"bf16\"")),
+            "64" => Ok(Precision::Pure { dtype: Kind::Double }),
+            _ => Err(refuse("precision", precision, "16, 32, 64 or \"bf16\" (Lightning 1.x)")),
         }
     }
 

@@ -1,16 +1,18 @@
 //! Loading and saving `torch.save` checkpoints (see the module above).
-use crate::error::StateError;
 use std::path::Path;
 use tch::nn::VarStore;
-use tch::Kind;
+use tch::{Kind, Tensor};
 
-use super::error::{Result, TorchCheckpointError};
+use super::error::bad_value;
 use super::optim::default_param_order;
 use super::options::{TorchLoadOptions, TorchParamOrder, TorchSaveOptions};
 use super::{model, optim};
+#[cfg(doc)]
 use crate::amp::Amp;
-use crate::error::AmpError;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+use crate::optim::amp_optimizer::ParamLayout;
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord};
+use crate::scaling::CheckpointScalers;
 use crate::torch_io::{self, Dict, Key, LoadOptions, Node, Value};
 
 /// What [`load_torch_checkpoint`] did besides loading.
@@ -40,105 +42,138 @@ pub struct TorchLoadReport {
 }
 
 /// Reads a `torch.save` checkpoint and restores the model variables, the optimizers and the loss
-/// scalers from it (see the [module docs](crate::torch_checkpoint) for what is mapped how). Tensors
-/// are read onto [`TorchLoadOptions::map_location`], by default the VarStore's device.
+/// scalers from it (see the [module docs](crate::torch_checkpoint) for what is mapped how).
+/// `scalers`: an [`Amp`] (Apex's path), a [`crate::GradScaler`] or a slice of them (torch.amp's),
+/// or `&mut ()` for none. Tensors are read onto [`TorchLoadOptions::map_location`], by default
+/// the VarStore's device.
 ///
 /// # Errors
-/// [`TorchCheckpointError::File`] when the file cannot be read (truncated, wrong magic, a pickle
-/// naming a global outside torch's weights-only set, ...) or an entry is missing or of the wrong
-/// type (the message names its path); [`TorchCheckpointError`] when it does not fit (keys, shapes,
-/// dtypes, optimizer class, hyper-parameters, parameter count or order, non-finite values);
-/// [`StateError::StateMismatch`] for an amp state the scalers refuse. Nothing is changed on error.
-pub fn load_torch_checkpoint(
+/// [`AmpError::File`] when the file cannot be read (truncated, wrong magic, a pickle
+/// naming a global outside torch's weights-only set, ...) or an entry is of the wrong type (the
+/// message names its path); [`StateError::MissingEntry`](crate::error::StateError::MissingEntry) for an entry the options
+/// name that the file lacks; [`StateError`] when it does not fit (keys, shapes, dtypes,
+/// optimizer class, hyper-parameters, parameter count or order, non-finite values);
+/// [`StateError::StateMismatch`] for a scaler state the scalers refuse. Nothing is changed on
+/// error.
+pub fn load_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &mut [&mut AmpOptimizer],
-    amp: &mut Amp,
+    scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
     let load = LoadOptions::new().map_location(options.map_location.unwrap_or(vs.device()));
     let value = torch_io::load_with(path, &load)?;
-    load_torch_checkpoint_value(value, vs, optimizers, amp, options)
+    load_torch_checkpoint_value(value, vs, optimizers, scalers, options)
+}
+
+/// The entry `key` of the checkpoint dict, or [`StateError::MissingEntry`](crate::error::StateError::MissingEntry).
+fn entry<'a>(root: &Node<'a>, key: &str, holds: &'static str, remedy: &'static str) -> Result<Node<'a>> {
+    root.get_opt(key)?.ok_or_else(|| AmpError::State(StateError::MissingEntry { key: key.to_string(), holds, remedy }))
 }
 
 /// [`load_torch_checkpoint`] on a checkpoint already read with [`torch_io::load`].
 ///
 /// # Errors
 /// As [`load_torch_checkpoint`], less the file errors.
-pub fn load_torch_checkpoint_value(
+pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     checkpoint: Value,
     vs: &VarStore,
     optimizers: &mut [&mut AmpOptimizer],
-    amp: &mut Amp,
+    scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
-    if !optimizers.is_empty() && optimizers.len() != options.optimizer_keys.len() {
-        return Err(TorchCheckpointError::Options {
-            message: format!(
-                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
-                 TorchLoadOptions::optimizer_keys",
-                optimizers.len(),
-                options.optimizer_keys.len(),
-                options.optimizer_keys
-            ),
-        });
-    }
-    if let Some(i) = options.param_orders.keys().find(|&&i| i >= optimizers.len()) {
-        return Err(TorchCheckpointError::Options {
-            message: format!("a param_order for optimizer {i}, but {} optimizers were given", optimizers.len()),
-        });
-    }
+    check_call(optimizers.len(), options)?;
     let root = checkpoint.node();
     root.as_dict()?;
 
     // Phase 1: read and check everything.
-    let staged_model = model::stage(&root.get(options.model_key.as_str())?, vs, options)?;
-    let amp_state = match &options.amp_key {
+    let model_node = entry(
+        &root,
+        &options.model_key,
+        "the model state dict",
+        "name the model's entry with TorchLoadOptions::model_key (TorchLoadOptions::main_amp() reads Apex's \
+         imagenet layout, whose model is under \"state_dict\")",
+    )?;
+    let checked_model = model::check(&model_node, vs, options)?;
+    let scaler_key = options.scaler_key(scalers.torch_key());
+    let scaler_node = match &scaler_key {
         Some(key) => match root.get_opt(key.as_str())? {
-            Some(node) => Some(amp.check_state_dict(&to_json(&node)?)?),
+            Some(node) => {
+                scalers.check_scaler_state(&node)?;
+                Some(node)
+            }
             None if options.amp_required => {
-                return Err(torch_io::TorchIoError::MissingKey { path: root.path(), key: format!("{key:?}") }.into())
+                return Err(AmpError::State(StateError::MissingEntry {
+                    key: key.clone(),
+                    holds: "the loss scalers' state",
+                    remedy: "name its entry with TorchLoadOptions::amp_key(Some(key), true), or load without it \
+                             (the scalers keep their state) with TorchLoadOptions::amp_key(None, false)",
+                }))
             }
             None => None,
         },
         None => None,
     };
     let mut report = TorchLoadReport {
-        stripped_prefix: staged_model.prefix.clone(),
-        missing: staged_model.missing.clone(),
-        unexpected: staged_model.unexpected.clone(),
-        ignored: staged_model.ignored.clone(),
-        converted: staged_model.converted.clone(),
-        amp_loaded: amp_state.is_some(),
+        stripped_prefix: checked_model.prefix.clone(),
+        missing: checked_model.missing.clone(),
+        unexpected: checked_model.unexpected.clone(),
+        ignored: checked_model.ignored.clone(),
+        converted: checked_model.converted.clone(),
+        amp_loaded: scaler_node.is_some(),
         param_orders: Vec::new(),
         ignored_group_keys: Vec::new(),
         entries: Dict::new(),
     };
-    let mut staged_records = Vec::with_capacity(optimizers.len());
+    let vars = vs.variables();
+    let mut model_overrides: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut checked_records = Vec::with_capacity(optimizers.len());
     for (i, o) in optimizers.iter().enumerate() {
-        let node = root.get(options.optimizer_keys[i].as_str())?;
+        let node = entry(
+            &root,
+            &options.optimizer_keys[i],
+            "an optimizer's state dict",
+            "name each optimizer's entry with TorchLoadOptions::optimizer_keys (one key per optimizer given), or \
+             pass no optimizer to load the model alone",
+        )?;
         let order = optim::resolve_order(
             &node,
             o,
             i,
             options.param_orders.get(&i),
-            &staged_model.order,
-            staged_model.prefix.as_deref(),
+            &checked_model.order,
+            checked_model.prefix.as_deref(),
         )?;
-        let loaded = optim::record_from_node(&node, o, &order, i, options.exact_dtypes)?;
+        let loaded =
+            optim::record_from_node(&node, o, &order, i, options.exact_dtypes, options.strict_hyper_parameters)?;
         let mut record = loaded.record;
         // Masters: the state dict's fp32 values (or, for a variable a non-strict load skipped,
         // the current master).
         let current = o.to_record();
-        for ((p, lay), cur) in record.params.iter_mut().zip(o.param_layout()).zip(current.params) {
+        let layout = o.param_layout();
+        for ((p, lay), cur) in record.params.iter_mut().zip(&layout).zip(current.params) {
             if lay.has_master {
-                p.master = match staged_model.fp32.get(&p.name) {
+                p.master = match checked_model.fp32.get(&p.name) {
                     Some(t) => Some(t.shallow_clone()),
                     None => cur.master,
                 };
             }
         }
-        staged_records.push(o.stage_record(record).map_err(|e| match e {
+        // Apex-era 'master params': the masters (or the fp32 parameters themselves), in torch order.
+        if let Some(key) = options.master_params.get(&i) {
+            let list = entry(
+                &root,
+                key,
+                "the optimizer's master parameters",
+                "name it with TorchLoadOptions::master_params(optimizer, key), or leave that option out for a \
+                 file without one",
+            )?;
+            let flat: Vec<&String> = order.iter().flatten().collect();
+            let read = MasterParams { list: &list, flat: &flat, optimizer: o, index: i, layout: &layout, vars: &vars };
+            read.apply(&mut record, &mut model_overrides, &mut report.converted)?;
+        }
+        checked_records.push(o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => {
                 AmpError::State(StateError::StateMismatch { message: format!("optimizer {i}: {message}") })
             }
@@ -152,23 +187,26 @@ pub fn load_torch_checkpoint_value(
     // Phase 2: apply (every check passed).
     {
         let _no_grad = tch::no_grad_guard();
-        for (var, value) in &staged_model.copies {
+        for (var, value) in checked_model.copies.iter().chain(&model_overrides) {
             let mut v = var.shallow_clone();
             v.f_copy_(value).map_err(|source| AmpError::Torch { context: "restoring a model variable", source })?;
         }
     }
-    for (o, r) in optimizers.iter_mut().zip(staged_records) {
-        o.apply_staged(r)?;
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
     }
-    if let Some(state) = amp_state {
-        amp.apply_checked_state(state);
+    if let Some(node) = &scaler_node {
+        scalers.apply_scaler_state(node)?;
     }
-    if let Value::Dict(mut d) = checkpoint {
+    let mut checkpoint = checkpoint;
+    if let Value::Dict(d) = &mut checkpoint {
+        let mut d = std::mem::take(d);
         let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
         consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
         if report.amp_loaded {
-            consumed.extend(options.amp_key.as_deref());
+            consumed.extend(scaler_key.as_deref());
         }
+        consumed.extend(options.master_params.values().map(String::as_str));
         for k in consumed {
             d.remove(&Key::from(k));
         }
@@ -177,21 +215,126 @@ pub fn load_torch_checkpoint_value(
     Ok(report)
 }
 
+/// The call's options against the call: one optimizer key per optimizer given, and no
+/// per-optimizer option for an optimizer that was not given.
+fn check_call(optimizers: usize, options: &TorchLoadOptions) -> Result<()> {
+    if !optimizers == 0 && optimizers != options.optimizer_keys.len() {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!(
+                "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
+                 TorchLoadOptions::optimizer_keys",
+                optimizers,
+                options.optimizer_keys.len(),
+                options.optimizer_keys
+            ),
+        }));
+    }
+    for (what, map) in [
+        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
+        ("master_params", options.master_params.keys().collect()),
+    ] {
+        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers) {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!("a {what} for optimizer {i}, but {} optimizers were given", optimizers),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// An Apex-era `'master params'` list (`list(amp.master_params(optimizer))`) for one optimizer.
+struct MasterParams<'a, 'n> {
+    list: &'a Node<'n>,
+    /// The optimizer's parameter names in torch's order (the list's).
+    flat: &'a [&'a String],
+    optimizer: &'a AmpOptimizer,
+    index: usize,
+    layout: &'a [ParamLayout],
+    vars: &'a std::collections::HashMap<String, Tensor>,
+}
+
+impl MasterParams<'_, '_> {
+    /// Checks every value (count, shape, floating, finite) and puts it in the record's masters,
+    /// or, for a parameter without a master (fp32), in `model_overrides`; conversions are noted.
+    fn apply(
+        &self,
+        record: &mut OptimizerRecord,
+        model_overrides: &mut Vec<(Tensor, Tensor)>,
+        converted: &mut Vec<(String, Kind, Kind)>,
+    ) -> Result<()> {
+        let items = self.list.elements()?;
+        if items.len() != self.flat.len() {
+            return Err(bad_value(
+                self.list.path(),
+                format!(
+                    "{} master parameters, optimizer {} has {} (the list is amp.master_params(optimizer): \
+                     every parameter of its groups in order)",
+                    items.len(),
+                    self.index,
+                    self.flat.len()
+                ),
+            ));
+        }
+        let position: std::collections::HashMap<&str, usize> =
+            self.optimizer.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
+        for (item, name) in items.iter().zip(self.flat.iter().copied()) {
+            let pos = position[name.as_str()];
+            let var = &self.vars[name.as_str()];
+            let t = item.as_tensor()?;
+            if t.size() != var.size() {
+                return Err(AmpError::State(StateError::ShapeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                }));
+            }
+            if !crate::dtype::is_floating(t.kind()) {
+                return Err(AmpError::State(StateError::DtypeMismatch {
+                    path: item.path(),
+                    target: name.clone(),
+                    expected: "a floating dtype".into(),
+                    found: t.kind(),
+                }));
+            }
+            if !model::all_finite(t)? {
+                return Err(AmpError::State(StateError::NonFinite { path: item.path() }));
+            }
+            let kind = if self.layout[pos].has_master { Kind::Float } else { var.kind() };
+            if t.kind() != kind {
+                converted.push((item.path(), t.kind(), kind));
+            }
+            let value = t
+                .f_to_device(var.device())
+                .and_then(|t| t.f_to_kind(kind))
+                .and_then(|t| t.f_detach_copy())
+                .map_err(|source| AmpError::Torch { context: "checking a master parameter", source })?;
+            if self.layout[pos].has_master {
+                record.params[pos].master = Some(value);
+            } else {
+                model_overrides.push((var.shallow_clone(), value));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The checkpoint dict [`save_torch_checkpoint`] writes, as a value tree. Its tensors share
 /// storage with the masters and the optimizer state: save it before the next step.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`Options`) for options that do not fit the call (a key per
-/// optimizer, no entry named like the model, optimizer or amp entry, a `param_order` that
-/// covers the optimizer's parameters once and keeps each group to one learning rate);
-/// [`AmpError::Torch`] if a tensor cannot be read.
-pub fn torch_checkpoint_value(
+/// [`ConfigError::OptionsMismatch`] for options that do not fit the call (a key per
+/// optimizer, no entry named like the model, optimizer, scaler or master-parameter entry, a
+/// `param_order` that covers the optimizer's parameters once and keeps each group to one set of
+/// values, `tied` names of a variable and of no variable); [`ConfigError::NoTorchForm`](crate::error::ConfigError::NoTorchForm)
+/// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read.
+pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
-    amp: &Amp,
+    scalers: &S,
     options: &TorchSaveOptions,
 ) -> Result<Value> {
-    let options_err = |message: String| TorchCheckpointError::Options { message };
+    let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
     if optimizers.len() != options.optimizer_keys.len() {
         return Err(options_err(format!(
             "{} optimizers given but {} optimizer keys {:?}: name one key per optimizer with \
@@ -201,15 +344,22 @@ pub fn torch_checkpoint_value(
             options.optimizer_keys
         )));
     }
-    if let Some(i) = options.param_orders.keys().find(|&&i| i >= optimizers.len()) {
-        return Err(options_err(format!(
-            "a param_order for optimizer {i}, but {} optimizers were given",
-            optimizers.len()
-        )));
+    for (what, map) in [
+        ("param_order", options.param_orders.keys().collect::<Vec<_>>()),
+        ("master_params", options.master_params.keys().collect()),
+    ] {
+        if let Some(i) = map.into_iter().find(|&&i| i >= optimizers.len()) {
+            return Err(options_err(format!(
+                "a {what} for optimizer {i}, but {} optimizers were given",
+                optimizers.len()
+            )));
+        }
     }
+    let scaler_key = options.scaler_key(scalers.torch_key());
     let mut keys: Vec<&str> = vec![options.model_key.as_str()];
     keys.extend(options.optimizer_keys.iter().map(String::as_str));
-    keys.extend(options.amp_key.as_deref());
+    keys.extend(scaler_key.as_deref());
+    keys.extend(options.master_params.values().map(String::as_str));
     keys.extend(options.entries.iter().map(|(k, _)| k.as_str()));
     let mut seen = std::collections::BTreeSet::new();
     if let Some(dup) = keys.iter().find(|k| !seen.insert(**k)) {
@@ -222,34 +372,52 @@ pub fn torch_checkpoint_value(
     }
     root.insert(options.model_key.as_str(), Value::Dict(model::state_dict(vs, &records, options)?));
     let prefix = options.key_prefix.as_deref().unwrap_or("");
+    let vars = vs.variables();
     for (i, (o, r)) in optimizers.iter().zip(&records).enumerate() {
         let order = options.param_orders.get(&i).cloned().unwrap_or_else(|| default_param_order(o));
         let names = options.param_names.then_some(prefix);
         root.insert(options.optimizer_keys[i].as_str(), optim::record_to_value(r, o, &order, i, names)?);
+        if let Some(key) = options.master_params.get(&i) {
+            let position: std::collections::HashMap<&str, usize> =
+                o.param_names().into_iter().enumerate().map(|(k, n)| (n, k)).collect();
+            let mut list = Vec::with_capacity(position.len());
+            for name in order.iter().flatten() {
+                let p = &r.params[position[name.as_str()]];
+                let t = match &p.master {
+                    Some(m) => m.shallow_clone(),
+                    None => vars[name.as_str()].shallow_clone(),
+                };
+                list.push(Value::Tensor(
+                    t.f_detach().map_err(|source| AmpError::Torch { context: "saving a master parameter", source })?,
+                ));
+            }
+            root.insert(key.as_str(), Value::List(list));
+        }
     }
-    if let Some(key) = &options.amp_key {
-        root.insert(key.as_str(), amp_value(amp));
+    if let Some(key) = &scaler_key {
+        root.insert(key.as_str(), scalers.scaler_state());
     }
     Ok(Value::Dict(root))
 }
 
-/// Writes the checkpoint a Python Apex script resumes from (see the [module docs](crate::torch_checkpoint)):
+/// Writes the checkpoint a Python script resumes from (see the [module docs](crate::torch_checkpoint)):
 /// `torch.load(path, weights_only=True)` reads it, `model.load_state_dict`,
-/// `optimizer.load_state_dict` and `amp.load_state_dict` take its entries. The file is written
-/// to a temporary file beside `path`, synced and renamed over it: `path` holds the previous
-/// file or the complete new one.
+/// `optimizer.load_state_dict` and `amp.load_state_dict` (or `scaler.load_state_dict`) take its
+/// entries. `scalers`: an [`Amp`], a [`crate::GradScaler`] or a slice of them, or `&()`. The
+/// file is written to a temporary file beside `path`, synced and renamed over it: `path` holds
+/// the previous file or the complete new one.
 ///
 /// # Errors
-/// As [`torch_checkpoint_value`], and [`TorchCheckpointError::File`] when the file cannot be written
+/// As [`torch_checkpoint_value`], and [`AmpError::File`] when the file cannot be written
 /// (the previous file is intact).
-pub fn save_torch_checkpoint(
+pub fn save_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
-    amp: &Amp,
+    scalers: &S,
     options: &TorchSaveOptions,
 ) -> Result<()> {
-    let value = torch_checkpoint_value(vs, optimizers, amp, options)?;
+    let value = torch_checkpoint_value(vs, optimizers, scalers, options)?;
     torch_io::save(path, &value)?;
     Ok(())
 }
@@ -267,7 +435,7 @@ pub fn optimizer_record_from_torch(
     optimizer: &AmpOptimizer,
     order: &TorchParamOrder,
 ) -> Result<OptimizerRecord> {
-    Ok(optim::record_from_node(&state_dict.node(), optimizer, order, 0, false)?.record)
+    Ok(optim::record_from_node(&state_dict.node(), optimizer, order, 0, false, false)?.record)
 }
 
 /// `record` (from [`AmpOptimizer::to_record`] of `optimizer`) as torch.optim's state dict,
@@ -275,7 +443,7 @@ pub fn optimizer_record_from_torch(
 /// group's `param_names`.
 ///
 /// # Errors
-/// [`TorchCheckpointError`] when `order` does not name each parameter once or puts
+/// [`StateError::ParamOrder`] when `order` does not name each parameter once or puts
 /// parameters of different learning rates into one group.
 pub fn optimizer_record_to_torch(
     record: &OptimizerRecord,
@@ -290,7 +458,7 @@ pub fn optimizer_record_to_torch(
 /// [module docs](crate::torch_checkpoint)).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`ParamCount`, `ParamOrder`) as [`load_torch_checkpoint`].
+/// [`StateError::ParamCount`], [`StateError::ParamOrder`] as [`load_torch_checkpoint`].
 pub fn param_order_from_torch(
     state_dict: &Value,
     optimizer: &AmpOptimizer,
@@ -299,72 +467,21 @@ pub fn param_order_from_torch(
     optim::resolve_order(&state_dict.node(), optimizer, 0, None, model_keys, None)
 }
 
-/// The optimizer configuration and learning rate (of param group 0) a torch.optim state dict
-/// was made with, to build the optimizer a checkpoint loads into:
-/// `amp.optimizer(&vs, config, lr)`.
+/// The optimizer configuration and learning rate of param group 0 of a torch.optim (or
+/// `apex.optimizers`) state dict, to build the optimizer a checkpoint loads into:
+/// `amp.optimizer(&vs, config, lr)`, or the defaults of `amp.optimizer_groups` whose groups
+/// then take each file group's own values when the checkpoint loads. Options Apex reads from
+/// the optimizer rather than its groups (`adam_w_mode`, `use_nvlamb`, ...) are not in the file:
+/// they are Apex's defaults here. An SGD group without torch's `maximize`, `foreach` and
+/// `differentiable` keys (which torch has written since 1.11) is Apex's FusedSGD (the same
+/// update as torch.optim.SGD).
 ///
 /// # Errors
-/// [`TorchCheckpointError`] (`BadValue`) for a state dict of another class than SGD,
-/// Adam, AdamW and RMSprop, an Adam-family state dict that does not say which of the two it is
-/// (torch < 2.6), or groups whose hyper-parameters besides `lr` differ;
-/// [`TorchCheckpointError::File`] for a missing or mistyped entry.
+/// [`StateError::StateMismatch`] for a state dict of another class than torch.optim's
+/// SGD, Adam, AdamW and RMSprop and Apex's FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad and
+/// FusedAdagrad, or an Adam-family state dict that does not say which of the two it is
+/// (torch < 2.6);
+/// [`AmpError::File`] for a missing or mistyped entry.
 pub fn optimizer_config(state_dict: &Value) -> Result<(OptimizerConfig, f64)> {
     optim::config_from_node(&state_dict.node())
-}
-
-/// Apex's `amp.state_dict()`: an OrderedDict `loss_scaler0`, `loss_scaler1`, ... (in loss
-/// order: Apex's load_state_dict assigns them in the dict's order) of `{'loss_scale': float,
-/// 'unskipped': int}` (plus tch-amp's `hysteresis_left` / `recovery_target` when set; Apex
-/// reads only its two keys).
-fn amp_value(amp: &Amp) -> Value {
-    let mut d = Dict::new_ordered();
-    for (i, s) in amp.scalers().iter().enumerate() {
-        let st = s.state();
-        let mut e = Dict::new()
-            .with("loss_scale", Value::Float(st.loss_scale))
-            .with("unskipped", Value::Int(i64::try_from(st.unskipped).unwrap_or(i64::MAX)));
-        if let Some(h) = st.hysteresis_left {
-            e.insert("hysteresis_left", Value::Int(h.into()));
-        }
-        if let Some(t) = st.recovery_target {
-            e.insert("recovery_target", Value::Float(t));
-        }
-        d.insert(format!("loss_scaler{i}"), Value::Dict(e));
-    }
-    Value::Dict(d)
-}
-
-/// An amp state (numbers, strings, containers) as JSON for [`Amp::load_state_dict`]'s checks.
-fn to_json(node: &Node<'_>) -> Result<serde_json::Value> {
-    use serde_json::Value as J;
-    let bad = |message: &str| TorchCheckpointError::BadValue { path: node.path(), message: message.into() };
-    Ok(match node.value() {
-        Value::None => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Int(i) => J::from(*i),
-        Value::Float(f) => {
-            J::Number(serde_json::Number::from_f64(*f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        Value::Str(s) => J::String(s.clone()),
-        Value::Tensor(t) if t.numel() == 1 => {
-            let f = t
-                .f_reshape([])
-                .and_then(|t| t.f_double_value(&[]))
-                .map_err(|source| AmpError::Torch { context: "reading the amp state", source })?;
-            J::Number(serde_json::Number::from_f64(f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        Value::List(_) | Value::Tuple(_) => J::Array(node.elements()?.iter().map(to_json).collect::<Result<_>>()?),
-        Value::Dict(_) => {
-            let mut m = serde_json::Map::new();
-            for (k, v) in node.entries()? {
-                let key = match k {
-                    Key::Str(s) => s.clone(),
-                    Key::Int(i) => return Err(bad(&format!("has the int key {i}; the amp state's keys are names"))),
-                };
-                m.insert(key, to_json(&v)?);
-            }
-            J::Object(m)
-        }
-        other => return Err(bad(&format!("a {} in the amp state", other.type_name()))),
-    })
 }

@@ -1,23 +1,26 @@
-//! The model state dict: `model.state_dict()` by name into the VarStore (checked and staged,
+//! The model state dict: `model.state_dict()` by name into the VarStore (checked and checked,
 //! applied later), and the VarStore out as a state dict in torch's module order.
 use std::collections::{BTreeMap, BTreeSet};
 
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
-use super::error::Result;
-use super::error::TorchCheckpointError;
+use super::error::bad_value;
+use crate::error::{AmpError, ConfigError, Result, StateError};
+
 use super::options::{KeyPrefix, TorchLoadOptions, TorchSaveOptions};
 use crate::dtype::{is_floating, is_low_precision};
-use crate::error::{AmpError, TorchContext};
-use crate::optim::OptimizerRecord;
+use crate::error::TorchContext;
+use crate::optim::{torch_param_order, OptimizerRecord};
 use crate::torch_io::{Dict, Key, Node, Value};
 
-const DDP_PREFIX: &str = "module.";
+/// The prefixes [`KeyPrefix::Auto`] strips: `module.` (`nn.DataParallel`,
+/// `DistributedDataParallel`) and `_orig_mod.` (a `torch.compile`d model).
+const AUTO_PREFIXES: [&str; 2] = ["module.", "_orig_mod."];
 const NUM_BATCHES_TRACKED: &str = "num_batches_tracked";
 
 /// A model state dict checked against a VarStore, ready to apply.
-pub(super) struct StagedModel {
+pub(super) struct CheckedModel {
     /// (variable, value in the variable's dtype on its device).
     pub(super) copies: Vec<(Tensor, Tensor)>,
     /// fp32 values of the fp16/bf16 variables, by name: their masters under O2.
@@ -36,10 +39,10 @@ pub(super) struct StagedModel {
 fn key_str<'a>(node: &Node<'_>, key: &'a Key) -> Result<&'a str> {
     match key {
         Key::Str(s) => Ok(s),
-        Key::Int(i) => Err(TorchCheckpointError::BadValue {
-            path: node.path(),
-            message: format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
-        }),
+        Key::Int(i) => Err(bad_value(
+            node.path(),
+            format!("has the int key {i}; a state dict's keys are parameter and buffer names"),
+        )),
     }
 }
 
@@ -49,9 +52,17 @@ pub(super) fn prefix_to_strip(keys: &[&str], vs_names: &BTreeSet<String>, rule: 
         KeyPrefix::Keep => None,
         KeyPrefix::Strip(p) => Some(p.clone()),
         KeyPrefix::Auto => {
-            let all = !keys.is_empty() && keys.iter().all(|k| k.starts_with(DDP_PREFIX));
-            let ours = vs_names.iter().any(|n| n.starts_with(DDP_PREFIX));
-            (all && !ours).then(|| DDP_PREFIX.to_string())
+            // Stacked wrappers stack their prefixes (`module._orig_mod.`): strip them one by one.
+            let mut prefix = String::new();
+            while let Some(p) = AUTO_PREFIXES.iter().find(|p| {
+                let full = format!("{prefix}{p}");
+                !keys.is_empty()
+                    && keys.iter().all(|k| k.starts_with(&full))
+                    && !vs_names.iter().any(|n| n.starts_with(**p))
+            }) {
+                prefix.push_str(p);
+            }
+            (!prefix.is_empty()).then_some(prefix)
         }
     }
 }
@@ -83,14 +94,14 @@ fn same_view(a: &Tensor, b: &Tensor) -> bool {
         && a.device() == b.device()
 }
 
-/// Checks the model state dict at `node` against `vs` and stages every value.
-pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<StagedModel> {
+/// Checks the model state dict at `node` against `vs` and copies every value to the variables' devices.
+pub(super) fn check(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) -> Result<CheckedModel> {
     let entries = node.entries()?;
     let vars = vs.variables();
     let vs_names: BTreeSet<String> = vars.keys().cloned().collect();
     let keys: Vec<&str> = entries.iter().map(|(k, _)| key_str(node, k)).collect::<Result<_>>()?;
     let prefix = prefix_to_strip(&keys, &vs_names, &options.key_prefix);
-    let mut staged = StagedModel {
+    let mut checked = CheckedModel {
         copies: Vec::new(),
         fp32: BTreeMap::new(),
         order: Vec::new(),
@@ -110,54 +121,59 @@ pub(super) fn stage(node: &Node<'_>, vs: &VarStore, options: &TorchLoadOptions) 
         seen_tensors.push((name, t));
         let Some(var) = vars.get(name) else {
             if let Some(first) = alias_of {
-                staged.ignored.push(format!("{name} (the same tensor as {first})"));
+                checked.ignored.push(format!("{name} (the same tensor as {first})"));
             } else if name.rsplit('.').next() == Some(NUM_BATCHES_TRACKED) {
-                staged.ignored.push(name.to_string());
+                checked.ignored.push(name.to_string());
             } else {
-                staged.unexpected.push(name.to_string());
+                checked.unexpected.push(name.to_string());
             }
             continue;
         };
         if alias_of.is_none() {
-            staged.order.push(name.to_string());
+            checked.order.push(name.to_string());
         }
         if !loaded.insert(name) {
-            return Err(TorchCheckpointError::BadValue {
-                path: entry.path(),
-                message: format!("{name} appears twice once the prefix {prefix:?} is stripped"),
-            });
+            return Err(bad_value(
+                entry.path(),
+                format!("{name} appears twice once the prefix {prefix:?} is stripped"),
+            ));
         }
         if t.size() != var.size() {
-            return Err(TorchCheckpointError::ShapeMismatch {
+            return Err(AmpError::State(StateError::ShapeMismatch {
                 path: entry.path(),
                 target: name.to_string(),
                 expected: var.size(),
                 found: t.size(),
-            });
+            }));
         }
         check_dtype(&entry.path(), name, t.kind(), var.kind(), options.exact_dtypes)?;
         if !all_finite(t)? {
-            return Err(TorchCheckpointError::NonFinite { path: entry.path() });
+            return Err(AmpError::State(StateError::NonFinite { path: entry.path() }));
         }
         let on_device = t.f_to_device(var.device()).ctx("moving a state dict entry to the VarStore's device")?;
         if is_low_precision(var.kind()) {
             let fp32 = on_device.f_to_kind(Kind::Float).ctx("an fp32 copy for the master")?;
-            staged.fp32.insert(name.to_string(), fp32);
+            checked.fp32.insert(name.to_string(), fp32);
         }
         if t.kind() != var.kind() {
-            staged.converted.push((name.to_string(), t.kind(), var.kind()));
+            checked.converted.push((name.to_string(), t.kind(), var.kind()));
         }
         let value = on_device.f_to_kind(var.kind()).ctx("converting a state dict entry")?;
-        staged.copies.push((var.shallow_clone(), value));
+        checked.copies.push((var.shallow_clone(), value));
     }
-    staged.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
-    if options.strict && !(staged.missing.is_empty() && staged.unexpected.is_empty()) {
-        return Err(TorchCheckpointError::KeysMismatch {
-            missing: std::mem::take(&mut staged.missing),
-            unexpected: std::mem::take(&mut staged.unexpected),
-        });
+    checked.missing = vs_names.iter().filter(|n| !loaded.contains(n.as_str())).cloned().collect();
+    if options.strict && !(checked.missing.is_empty() && checked.unexpected.is_empty()) {
+        let (missing_keys, unexpected_keys) =
+            (std::mem::take(&mut checked.missing), std::mem::take(&mut checked.unexpected));
+        let remedy = super::error::mismatch_remedy(&missing_keys, &unexpected_keys);
+        return Err(AmpError::State(StateError::IncompatibleKeys {
+            what: "the model state dict".to_string(),
+            missing_keys,
+            unexpected_keys,
+            remedy,
+        }));
     }
-    Ok(staged)
+    Ok(checked)
 }
 
 /// Whether a tensor of `found` may load into a variable of `var` (see
@@ -180,7 +196,12 @@ fn check_dtype(path: &str, name: &str, found: Kind, var: Kind, exact: bool) -> R
     } else {
         format!("a floating dtype (the variable is {var:?})")
     };
-    Err(TorchCheckpointError::DtypeMismatch { path: path.to_string(), target: name.to_string(), expected, found })
+    Err(AmpError::State(StateError::DtypeMismatch {
+        path: path.to_string(),
+        target: name.to_string(),
+        expected,
+        found,
+    }))
 }
 
 /// The trainable variables' names in the VarStore's creation order (tch keeps groups and
@@ -199,30 +220,10 @@ pub(super) fn creation_order(vs: &VarStore) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// Creation order with each module's `weight` moved right before its `bias`: tch's linear and
-/// convolution layers create the bias first, torch's modules register the weight first (tch's
-/// other layers, batch norm, layer norm, group norm and the RNNs, create theirs in torch's order).
-pub(super) fn torch_param_order(mut names: Vec<String>) -> Vec<String> {
-    let mut i = 0;
-    while i < names.len() {
-        let module = names[i].strip_suffix("bias").filter(|m| m.is_empty() || m.ends_with('.')).map(str::to_string);
-        if let Some(m) = module {
-            let weight = format!("{m}weight");
-            if let Some(j) = names[i + 1..].iter().position(|n| *n == weight) {
-                let w = names.remove(i + 1 + j);
-                names.insert(i, w);
-                i += 1;
-            }
-        }
-        i += 1;
-    }
-    names
-}
-
 /// The VarStore's names in torch's `state_dict()` order as far as tch can know it: modules in
 /// the order of their first trainable variable, in each module its trainable
 /// variables then the others (running statistics) by name; modules without trainable variables
-/// last, by name. The trainable variables come out in [`torch_param_order`], which is
+/// last, by name. The trainable variables come out in torch's parameter order, which is
 /// `model.parameters()`'s order when the Rust model creates its layers in the order the Python
 /// module registers them.
 pub(super) fn state_dict_order(vs: &VarStore) -> Result<Vec<String>> {
@@ -247,7 +248,8 @@ pub(super) fn state_dict_order(vs: &VarStore) -> Result<Vec<String>> {
 
 /// The model state dict tch-amp writes: an OrderedDict in [`state_dict_order`], floating
 /// variables in fp32 (the fp32 masters where the optimizers have them, so nothing is lost),
-/// others as they are, every key behind `options.key_prefix`.
+/// others as they are, then the second names of tied parameters (`options.tied`) viewing the
+/// same tensors, every key behind `options.key_prefix`.
 pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &TorchSaveOptions) -> Result<Dict> {
     let masters: BTreeMap<&str, &Tensor> = records
         .iter()
@@ -280,5 +282,46 @@ pub(super) fn state_dict(vs: &VarStore, records: &[OptimizerRecord], options: &T
             }
         }
     }
+    for (alias, variable) in &options.tied {
+        let options_err = |message: String| AmpError::Config(ConfigError::OptionsMismatch { message });
+        if vars.contains_key(alias) {
+            return Err(options_err(format!(
+                "tied({alias:?}, {variable:?}): {alias} is a variable of the VarStore itself"
+            )));
+        }
+        let Some(Value::Tensor(t)) = dict.get_str(&format!("{prefix}{variable}")) else {
+            return Err(options_err(format!(
+                "tied({alias:?}, {variable:?}): {variable} is not a variable of the VarStore"
+            )));
+        };
+        let t = t.shallow_clone();
+        if dict.insert(format!("{prefix}{alias}"), Value::Tensor(t)).is_some() {
+            return Err(options_err(format!("tied({alias:?}, ..): {alias} is named twice")));
+        }
+    }
     Ok(dict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn auto_strips_wrapper_prefixes_stacked_or_alone() {
+        let vs: BTreeSet<String> = names(&["fc.weight", "fc.bias"]).into_iter().collect();
+        let strip = |keys: &[&str]| prefix_to_strip(keys, &vs, &KeyPrefix::Auto);
+        assert_eq!(strip(&["module.fc.weight", "module.fc.bias"]).as_deref(), Some("module."));
+        assert_eq!(strip(&["_orig_mod.fc.weight", "_orig_mod.fc.bias"]).as_deref(), Some("_orig_mod."));
+        assert_eq!(strip(&["module._orig_mod.fc.weight"]).as_deref(), Some("module._orig_mod."));
+        assert_eq!(strip(&["_orig_mod.module.fc.weight"]).as_deref(), Some("_orig_mod.module."));
+        assert_eq!(strip(&["module.fc.weight", "fc.bias"]), None);
+        assert_eq!(strip(&[]), None);
+        // A VarStore whose own names start with the prefix keeps the keys.
+        let vs: BTreeSet<String> = names(&["module.fc.weight"]).into_iter().collect();
+        assert_eq!(prefix_to_strip(&["module.fc.weight"], &vs, &KeyPrefix::Auto), None);
+    }
 }

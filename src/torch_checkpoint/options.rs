@@ -11,14 +11,16 @@ use crate::torch_io::Value;
 /// dict is the `i`-th name of the groups read one after the other.
 pub type TorchParamOrder = Vec<Vec<String>>;
 
-/// What to do with a prefix on every key of the model state dict (`module.`, written by
-/// `nn.DataParallel` and `DistributedDataParallel` models: Apex's imagenet example saves
-/// `model.state_dict()` of its DDP model).
+/// What to do with a prefix on every key of the model state dict: `module.`, written by
+/// `nn.DataParallel` and `DistributedDataParallel` models (Apex's imagenet example saves
+/// `model.state_dict()` of its DDP model), `_orig_mod.`, written by a `torch.compile`d model
+/// (nanoGPT saves its compiled model's state dict), or both stacked (`module._orig_mod.`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum KeyPrefix {
-    /// Strip `module.` when every key starts with it and no variable of the VarStore does
-    /// (the report says so).
+    /// Strip `module.` and `_orig_mod.` (one after the other when stacked) while every key
+    /// starts with one of them and no variable of the VarStore does (the report's
+    /// `stripped_prefix` says what was stripped).
     #[default]
     Auto,
     /// Strip this prefix from the keys that start with it.
@@ -29,8 +31,10 @@ pub enum KeyPrefix {
 
 /// Options of [`crate::load_torch_checkpoint`]. The defaults read the dict of Apex's README
 /// recipe, `{'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'amp':
-/// amp.state_dict(), ...}`; [`TorchLoadOptions::main_amp`] reads Apex's imagenet example
-/// (`main_amp.py`: `{'epoch', 'arch', 'state_dict', 'best_prec1', 'optimizer'}`).
+/// amp.state_dict(), ...}`, or torch's AMP examples' `{'model', 'optimizer', 'scaler':
+/// scaler.state_dict()}` when GradScalers are passed instead of an `Amp` (and no scaler entry
+/// when `()` is); [`TorchLoadOptions::main_amp`] reads Apex's imagenet example (`main_amp.py`:
+/// `{'epoch', 'arch', 'state_dict', 'best_prec1', 'optimizer'}`).
 #[derive(Debug, Clone)]
 pub struct TorchLoadOptions {
     pub(crate) map_location: Option<Device>,
@@ -38,10 +42,13 @@ pub struct TorchLoadOptions {
     pub(crate) exact_dtypes: bool,
     pub(crate) model_key: String,
     pub(crate) optimizer_keys: Vec<String>,
-    pub(crate) amp_key: Option<String>,
+    /// `None`: the scalers' own key ([`crate::scaling::CheckpointScalers::torch_key`]).
+    pub(crate) amp_key: Option<Option<String>>,
     pub(crate) amp_required: bool,
     pub(crate) key_prefix: KeyPrefix,
     pub(crate) param_orders: BTreeMap<usize, TorchParamOrder>,
+    pub(crate) strict_hyper_parameters: bool,
+    pub(crate) master_params: BTreeMap<usize, String>,
 }
 
 impl Default for TorchLoadOptions {
@@ -52,16 +59,19 @@ impl Default for TorchLoadOptions {
             exact_dtypes: false,
             model_key: "model".into(),
             optimizer_keys: vec!["optimizer".into()],
-            amp_key: Some("amp".into()),
+            amp_key: None,
             amp_required: true,
             key_prefix: KeyPrefix::Auto,
             param_orders: BTreeMap::new(),
+            strict_hyper_parameters: false,
+            master_params: BTreeMap::new(),
         }
     }
 }
 
 impl TorchLoadOptions {
-    /// Apex's README recipe: keys `model`, `optimizer` and `amp` (required), strict.
+    /// Apex's README recipe: keys `model`, `optimizer` and `amp` (required) for an `Amp`, or
+    /// `scaler` (required) for GradScalers; strict.
     pub fn new() -> Self {
         Self::default()
     }
@@ -76,6 +86,15 @@ impl TorchLoadOptions {
         Self { model_key: "state_dict".into(), amp_required: false, ..Self::default() }
     }
 
+    /// The key of the loss scalers' state for `scalers`: the one set with [`Self::amp_key`],
+    /// else the scalers' own.
+    pub(crate) fn scaler_key(&self, own: Option<&'static str>) -> Option<String> {
+        match &self.amp_key {
+            Some(k) => k.clone(),
+            None => own.map(str::to_string),
+        }
+    }
+
     /// The device every tensor is read onto (`torch.load(map_location=...)`). Default: the
     /// VarStore's device (values end up there anyway, and a CUDA checkpoint then loads on a
     /// CPU machine).
@@ -85,7 +104,7 @@ impl TorchLoadOptions {
     }
 
     /// As torch's `load_state_dict(strict=...)` (default true): a variable missing from the
-    /// state dict or an entry no variable takes is [`super::TorchCheckpointError::KeysMismatch`].
+    /// state dict or an entry no variable takes is [`StateError::IncompatibleKeys`](crate::error::StateError::IncompatibleKeys).
     /// With `false` the names both have are loaded and the others listed in the report.
     pub fn strict(mut self, strict: bool) -> Self {
         self.strict = strict;
@@ -116,19 +135,43 @@ impl TorchLoadOptions {
         self
     }
 
-    /// The key of Apex's amp state (`amp.state_dict()`, or a `GradScaler.state_dict()`),
-    /// `None` to leave the scalers alone; `required`: a file without it is an error (default
-    /// `Some("amp")`, required).
+    /// The key of the loss scalers' state (Apex's `amp.state_dict()` for an `Amp`, which also
+    /// takes a `GradScaler.state_dict()`; `scaler.state_dict()` for a GradScaler, a list of them
+    /// for several), `None` to leave the scalers alone; `required`: a file without it is an
+    /// error (default: the scalers' own key, `amp` or `scaler`, required; nothing for `()`).
+    /// BERT's run_pretraining.py saves no scaler state: `amp_key(None, false)`.
     pub fn amp_key(mut self, key: Option<&str>, required: bool) -> Self {
-        self.amp_key = key.map(str::to_string);
+        self.amp_key = Some(key.map(str::to_string));
         self.amp_required = required;
         self
     }
 
-    /// What to do with a `module.` prefix on the model's keys (default [`KeyPrefix::Auto`]).
-    /// The same prefix is stripped from torch's `param_names`.
+    /// Restore optimizer `optimizer`'s master parameters from the entry `key` (Apex-era
+    /// scripts' `'master params': list(amp.master_params(optimizer))`, which BERT's
+    /// run_pretraining.py copies back into the masters on resume): a list of tensors in the
+    /// optimizer's torch order (its param groups one after the other, see [`super`]). Each goes
+    /// to the fp32 master of its parameter, or to the parameter itself where it has none (fp32
+    /// parameters are their own masters), after the model state dict, so under O2 the masters
+    /// get the saved fp32 values instead of the model's fp16 ones. A list of another length, or
+    /// an entry whose shape does not fit its parameter, is an error.
+    pub fn master_params(mut self, optimizer: usize, key: impl Into<String>) -> Self {
+        self.master_params.insert(optimizer, key.into());
+        self
+    }
+
+    /// What to do with a `module.` / `_orig_mod.` prefix on the model's keys (default
+    /// [`KeyPrefix::Auto`]). The same prefix is stripped from torch's `param_names`.
     pub fn key_prefix(mut self, prefix: KeyPrefix) -> Self {
         self.key_prefix = prefix;
+        self
+    }
+
+    /// Refuse a param group whose hyper-parameters (all but `lr`) differ from those of the
+    /// optimizer's parameter group it goes to; the error names the group, the key and both
+    /// values (default false: the file's values are taken, as torch's
+    /// `optimizer.load_state_dict` takes them).
+    pub fn strict_hyper_parameters(mut self, strict: bool) -> Self {
+        self.strict_hyper_parameters = strict;
         self
     }
 
@@ -143,16 +186,20 @@ impl TorchLoadOptions {
 }
 
 /// Options of [`crate::save_torch_checkpoint`]. The defaults write the dict of Apex's README
-/// recipe; [`TorchSaveOptions::main_amp`] writes Apex's imagenet example's.
+/// recipe (with an `Amp`), or of torch's AMP examples (`'scaler'` with GradScalers; no scaler
+/// entry with `()`); [`TorchSaveOptions::main_amp`] writes Apex's imagenet example's.
 #[derive(Debug)]
 pub struct TorchSaveOptions {
     pub(crate) model_key: String,
     pub(crate) optimizer_keys: Vec<String>,
-    pub(crate) amp_key: Option<String>,
+    /// `None`: the scalers' own key ([`crate::scaling::CheckpointScalers::torch_key`]).
+    pub(crate) amp_key: Option<Option<String>>,
+    pub(crate) master_params: BTreeMap<usize, String>,
     pub(crate) key_prefix: Option<String>,
     pub(crate) param_names: bool,
     pub(crate) param_orders: BTreeMap<usize, TorchParamOrder>,
     pub(crate) num_batches_tracked: Option<i64>,
+    pub(crate) tied: Vec<(String, String)>,
     pub(crate) entries: Vec<(String, Value)>,
 }
 
@@ -161,19 +208,21 @@ impl Default for TorchSaveOptions {
         Self {
             model_key: "model".into(),
             optimizer_keys: vec!["optimizer".into()],
-            amp_key: Some("amp".into()),
+            amp_key: None,
+            master_params: BTreeMap::new(),
             key_prefix: None,
             param_names: true,
             param_orders: BTreeMap::new(),
             num_batches_tracked: None,
+            tied: Vec::new(),
             entries: Vec::new(),
         }
     }
 }
 
 impl TorchSaveOptions {
-    /// Apex's README recipe: `{'model', 'optimizer', 'amp'}` plus the entries added with
-    /// [`Self::entry`].
+    /// Apex's README recipe: `{'model', 'optimizer', 'amp'}` (`'scaler'` for GradScalers)
+    /// plus the entries added with [`Self::entry`].
     pub fn new() -> Self {
         Self::default()
     }
@@ -199,10 +248,29 @@ impl TorchSaveOptions {
         self
     }
 
-    /// The key of the amp state, `None` to write none (default `amp`).
+    /// The key of the loss scalers' state, `None` to write none (default: the scalers' own,
+    /// `amp` for an `Amp`, `scaler` for GradScalers; none for `()`).
     pub fn amp_key(mut self, key: Option<&str>) -> Self {
-        self.amp_key = key.map(str::to_string);
+        self.amp_key = Some(key.map(str::to_string));
         self
+    }
+
+    /// Write optimizer `optimizer`'s master parameters under `key`, as Apex-era scripts save
+    /// `'master params': list(amp.master_params(optimizer))` (BERT's run_pretraining.py): a
+    /// list of tensors in the optimizer's torch order (its param groups one after the other),
+    /// each the fp32 master of its parameter, or the parameter itself where it has none.
+    pub fn master_params(mut self, optimizer: usize, key: impl Into<String>) -> Self {
+        self.master_params.insert(optimizer, key.into());
+        self
+    }
+
+    /// The key of the loss scalers' state for `scalers`: the one set with [`Self::amp_key`],
+    /// else the scalers' own.
+    pub(crate) fn scaler_key(&self, own: Option<&'static str>) -> Option<String> {
+        match &self.amp_key {
+            Some(k) => k.clone(),
+            None => own.map(str::to_string),
+        }
     }
 
     /// A prefix put before every model key and parameter name (`"module."` for a script that
@@ -236,6 +304,18 @@ impl TorchSaveOptions {
     /// carries no `_metadata`, as tch-amp's do not).
     pub fn num_batches_tracked(mut self, n: i64) -> Self {
         self.num_batches_tracked = Some(n);
+        self
+    }
+
+    /// A second name of a tied parameter, as torch's `state_dict()` lists it: a model that uses
+    /// one tensor under two module names (nanoGPT's `lm_head.weight`, tied to
+    /// `transformer.wte.weight`) has one VarStore variable, and Python's strict
+    /// `model.load_state_dict` wants both names. `alias` is written after the model's own
+    /// entries (in the order given; torch writes it where its module is registered, which
+    /// `load_state_dict` does not look at), viewing the same storage as `variable`'s entry, so
+    /// the file holds the tensor once and `torch.load` gives one tensor under both names.
+    pub fn tied(mut self, alias: impl Into<String>, variable: impl Into<String>) -> Self {
+        self.tied.push((alias.into(), variable.into()));
         self
     }
 

@@ -96,12 +96,14 @@ use std::path::Path;
 use tch::Device;
 
 mod container;
+mod debug;
 mod error;
 mod pickle_read;
 mod pickle_write;
 mod storage;
 mod tree;
 mod value;
+mod walk;
 
 pub use error::{Result, TorchIoError};
 pub use value::{BigInt, Dict, Key, Node, Seg, Value};

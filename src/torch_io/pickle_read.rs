@@ -261,6 +261,9 @@ impl Heap {
     pub(crate) fn get(&self, i: usize) -> &HeapObj {
         &self.objs[i]
     }
+    pub(crate) fn len(&self) -> usize {
+        self.objs.len()
+    }
     fn get_mut(&mut self, i: usize) -> &mut HeapObj {
         &mut self.objs[i]
     }

@@ -1,11 +1,11 @@
 //! The pickle writer: protocol 2, untagged (no TorchScript type tags), using only opcodes and
-//! globals that `torch.load(weights_only=True)` accepts.
+//! globals that `torch.load(weights_only=True)` accepts. One pass over a [`Walk`] of the tree.
 use std::collections::HashMap;
 
 use super::error::{Result, TorchIoError};
 use super::storage::{storage_type_name, StorageOut, TensorOut};
 use super::value::{format_path, Key, PathSeg, Value};
-use super::MAX_DEPTH;
+use super::walk::{Edge, Step, Walk};
 
 /// Items per SETITEMS / APPENDS batch (Python's pickler uses 1000 too).
 const BATCH: usize = 1000;
@@ -16,20 +16,34 @@ pub(crate) struct Writer<'a> {
     next_memo: u32,
     tensors: std::slice::Iter<'a, TensorOut>,
     storages: &'a [StorageOut],
-    path: Vec<PathSeg<String>>,
 }
 
 /// Pickles `value`; its tensors must be `tensors` in tree order (from `storage::plan`).
 pub(crate) fn write(value: &Value, tensors: &[TensorOut], storages: &[StorageOut]) -> Result<Vec<u8>> {
-    let mut w = Writer {
-        out: vec![0x80, 2],
-        memo: HashMap::new(),
-        next_memo: 0,
-        tensors: tensors.iter(),
-        storages,
-        path: Vec::new(),
-    };
-    w.value(value)?;
+    let mut w = Writer { out: vec![0x80, 2], memo: HashMap::new(), next_memo: 0, tensors: tensors.iter(), storages };
+    // The open containers, innermost last.
+    let mut open: Vec<&Value> = Vec::new();
+    let mut walk = Walk::new(value);
+    while let Some(step) = walk.next() {
+        match step {
+            Step::Enter(v, edge) => {
+                if let (Some(edge), Some(&parent)) = (edge, open.last()) {
+                    w.before_child(parent, edge, walk.path())?;
+                }
+                walk.check_depth()?;
+                w.enter(v, walk.path())?;
+                if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
+                    open.push(v);
+                }
+            }
+            Step::Leave(v) => {
+                if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
+                    w.leave(v);
+                    open.pop();
+                }
+            }
+        }
+    }
     w.out.push(b'.');
     Ok(w.out)
 }
@@ -91,10 +105,10 @@ impl Writer<'_> {
         self.out.extend(s.as_bytes());
     }
 
-    fn check_len(&self, n: usize, what: &str) -> Result<()> {
+    fn check_len(&self, n: usize, what: &str, path: &[PathSeg<&str>]) -> Result<()> {
         if u32::try_from(n).is_err() {
             return Err(TorchIoError::CannotSave {
-                path: format_path(&self.path),
+                path: format_path(path),
                 message: format!("{what} of {n} bytes is longer than protocol 2 can store"),
             });
         }
@@ -108,14 +122,40 @@ impl Writer<'_> {
         }
     }
 
-    fn value(&mut self, v: &Value) -> Result<()> {
-        if self.path.len() > MAX_DEPTH {
-            return Err(TorchIoError::TooDeep {
-                what: "nesting depth",
-                path: format_path(&self.path),
-                limit: MAX_DEPTH as u64,
-            });
+    /// What goes between a container's children: batch marks (SETITEMS and APPENDS take at
+    /// most [`BATCH`] items), a dict entry's key, the BUILD that carries an OrderedDict's
+    /// attributes. `path` is the child's.
+    fn before_child(&mut self, parent: &Value, edge: Edge<'_>, path: &[PathSeg<&str>]) -> Result<()> {
+        match (parent, edge) {
+            (Value::List(_), Edge::Index(i)) if i > 0 && i % BATCH == 0 => self.out.extend([b'e', b'(']),
+            (Value::Dict(_), Edge::Key(i, k)) => {
+                if i > 0 && i % BATCH == 0 {
+                    self.out.extend([b'u', b'(']);
+                }
+                self.key(k);
+            }
+            (Value::Dict(d), Edge::Attr(i, name)) => {
+                if i == 0 {
+                    if !d.is_empty() {
+                        self.out.push(b'u');
+                    }
+                    if !d.is_ordered() {
+                        return Err(TorchIoError::CannotSave {
+                            path: format_path(&path[..path.len() - 1]),
+                            message: "a plain dict cannot carry attributes (make it ordered)".into(),
+                        });
+                    }
+                    self.out.extend([b'}', b'(']);
+                }
+                self.str(name);
+            }
+            _ => {}
         }
+        Ok(())
+    }
+
+    /// A leaf whole, or the opening of a container; `path` is the node's.
+    fn enter(&mut self, v: &Value, path: &[PathSeg<&str>]) -> Result<()> {
         match v {
             Value::None => self.out.push(b'N'),
             Value::Bool(b) => self.out.push(if *b { 0x88 } else { 0x89 }),
@@ -125,7 +165,7 @@ impl Writer<'_> {
                 if bytes.is_empty() {
                     self.int(0);
                 } else {
-                    self.check_len(bytes.len(), "an int")?;
+                    self.check_len(bytes.len(), "an int", path)?;
                     self.long(bytes);
                 }
             }
@@ -134,7 +174,7 @@ impl Writer<'_> {
                 self.out.extend(f.to_bits().to_be_bytes());
             }
             Value::Str(s) => {
-                self.check_len(s.len(), "a str")?;
+                self.check_len(s.len(), "a str", path)?;
                 self.str(s);
             }
             Value::Bytes(b) => {
@@ -142,24 +182,22 @@ impl Writer<'_> {
                 // _codecs.encode(<latin-1 str>, "latin1"), as Python's own pickler writes.
                 self.global("_codecs", "encode");
                 let s: String = b.iter().map(|&c| char::from(c)).collect();
-                self.check_len(s.len(), "a bytes")?;
+                self.check_len(s.len(), "a bytes", path)?;
                 self.str(&s);
                 self.str("latin1");
                 self.out.extend([0x86, b'R']);
             }
             Value::List(items) => {
                 self.out.push(b']');
-                for (c, chunk) in items.chunks(BATCH).enumerate() {
+                if !items.is_empty() {
                     self.out.push(b'(');
-                    for (i, x) in chunk.iter().enumerate() {
-                        self.path.push(PathSeg::Int((c * BATCH + i) as i64));
-                        self.value(x)?;
-                        self.path.pop();
-                    }
-                    self.out.push(b'e');
                 }
             }
-            Value::Tuple(items) => self.tuple(items)?,
+            Value::Tuple(items) => match items.len() {
+                0 => self.out.push(b')'),
+                1..=3 => {}
+                _ => self.out.push(b'('),
+            },
             Value::Dict(d) => {
                 if d.is_ordered() {
                     self.global("collections", "OrderedDict");
@@ -167,36 +205,8 @@ impl Writer<'_> {
                 } else {
                     self.out.push(b'}');
                 }
-                let entries: Vec<_> = d.iter().collect();
-                for chunk in entries.chunks(BATCH) {
+                if !d.is_empty() {
                     self.out.push(b'(');
-                    for (k, x) in chunk {
-                        self.key(k);
-                        self.path.push(match k {
-                            Key::Str(s) => PathSeg::Str(s.clone()),
-                            Key::Int(i) => PathSeg::Int(*i),
-                        });
-                        self.value(x)?;
-                        self.path.pop();
-                    }
-                    self.out.push(b'u');
-                }
-                let attrs: Vec<_> = d.attributes().collect();
-                if !attrs.is_empty() {
-                    if !d.is_ordered() {
-                        return Err(TorchIoError::CannotSave {
-                            path: format_path(&self.path),
-                            message: "a plain dict cannot carry attributes (make it ordered)".into(),
-                        });
-                    }
-                    self.out.extend([b'}', b'(']);
-                    for (k, x) in attrs {
-                        self.str(k);
-                        self.path.push(PathSeg::Str(k.to_string()));
-                        self.value(x)?;
-                        self.path.pop();
-                    }
-                    self.out.extend([b'u', b'b']);
                 }
             }
             Value::Tensor(_) => {
@@ -225,33 +235,32 @@ impl Writer<'_> {
         Ok(())
     }
 
+    /// The closing of a container, its children written.
+    fn leave(&mut self, v: &Value) {
+        match v {
+            Value::List(items) if !items.is_empty() => self.out.push(b'e'),
+            Value::Tuple(items) if !items.is_empty() => self.out.push(match items.len() {
+                1 => 0x85,
+                2 => 0x86,
+                3 => 0x87,
+                _ => b't',
+            }),
+            Value::Dict(d) => {
+                if d.attributes().next().is_some() {
+                    self.out.extend([b'u', b'b']);
+                } else if !d.is_empty() {
+                    self.out.push(b'u');
+                }
+            }
+            _ => {}
+        }
+    }
+
     fn int_tuple(&mut self, v: &[i64]) {
         self.out.push(b'(');
         for &x in v {
             self.int(x);
         }
         self.out.push(b't');
-    }
-
-    fn tuple(&mut self, items: &[Value]) -> Result<()> {
-        if items.is_empty() {
-            self.out.push(b')');
-            return Ok(());
-        }
-        if items.len() > 3 {
-            self.out.push(b'(');
-        }
-        for (i, x) in items.iter().enumerate() {
-            self.path.push(PathSeg::Int(i as i64));
-            self.value(x)?;
-            self.path.pop();
-        }
-        self.out.push(match items.len() {
-            1 => 0x85,
-            2 => 0x86,
-            3 => 0x87,
-            _ => b't',
-        });
-        Ok(())
     }
 }

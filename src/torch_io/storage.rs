@@ -7,7 +7,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::error::{torch_err, Result, TorchIoError};
 use super::pickle_read::{elem_size, needed_elements, StorageDecl, TensorSpec};
-use super::value::{format_path, PathSeg, Value};
+use super::value::{format_path, Value};
+use super::walk::{Step, Walk};
 
 /// Hands out the raw bytes of a declared storage.
 pub(crate) trait StorageSource {
@@ -253,51 +254,6 @@ pub(crate) fn storage_type_name(kind: Kind) -> Option<&'static str> {
     })
 }
 
-/// A visitor of the tree's tensors, given each one's path.
-pub(crate) type TensorVisitor<'f, 'v> = dyn FnMut(&'v Tensor, &[PathSeg<String>]) -> Result<()> + 'f;
-
-/// Walks the tree in the writer's order (dict entries, then attributes; sequences in order).
-pub(crate) fn for_each_tensor<'v>(
-    v: &'v Value,
-    path: &mut Vec<PathSeg<String>>,
-    f: &mut TensorVisitor<'_, 'v>,
-) -> Result<()> {
-    if path.len() > super::MAX_DEPTH {
-        return Err(TorchIoError::TooDeep {
-            what: "nesting depth",
-            path: format_path(path),
-            limit: super::MAX_DEPTH as u64,
-        });
-    }
-    match v {
-        Value::Tensor(t) => f(t, path)?,
-        Value::List(items) | Value::Tuple(items) => {
-            for (i, x) in items.iter().enumerate() {
-                path.push(PathSeg::Int(i as i64));
-                for_each_tensor(x, path, f)?;
-                path.pop();
-            }
-        }
-        Value::Dict(d) => {
-            for (k, x) in d.iter() {
-                path.push(match k {
-                    super::value::Key::Str(s) => PathSeg::Str(s.clone()),
-                    super::value::Key::Int(i) => PathSeg::Int(*i),
-                });
-                for_each_tensor(x, path, f)?;
-                path.pop();
-            }
-            for (k, x) in d.attributes() {
-                path.push(PathSeg::Str(k.to_string()));
-                for_each_tensor(x, path, f)?;
-                path.pop();
-            }
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
 /// Groups the tree's tensors by the storage they view (same device, same storage start) and
 /// copies out each storage's used prefix. Keys are "0", "1", ... in first-use order, as
 /// torch.save numbers them.
@@ -312,7 +268,13 @@ pub(crate) fn plan(value: &Value) -> Result<(Vec<TensorOut>, Vec<StorageOut>)> {
     let mut groups: Vec<Group> = Vec::new();
     let mut by_base: HashMap<(String, usize), usize> = HashMap::new();
     let mut tensors = Vec::new();
-    for_each_tensor(value, &mut Vec::new(), &mut |t, path| {
+    // In the writer's order (dict entries, then attributes; sequences in order).
+    let mut walk = Walk::new(value);
+    while let Some(step) = walk.next() {
+        let Step::Enter(v, _) = step else { continue };
+        walk.check_depth()?;
+        let Value::Tensor(t) = v else { continue };
+        let path = walk.path();
         let unsupported = |message: String| TorchIoError::CannotSave { path: format_path(path), message };
         if !t.defined() {
             return Err(unsupported("undefined tensor".into()));
@@ -367,8 +329,7 @@ pub(crate) fn plan(value: &Value) -> Result<(Vec<TensorOut>, Vec<StorageOut>)> {
             }
         };
         tensors.push(TensorOut { storage: g, storage_offset, size, stride, requires_grad: t.requires_grad() });
-        Ok(())
-    })?;
+    }
     let storages = groups
         .into_iter()
         .enumerate()

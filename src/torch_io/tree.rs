@@ -5,6 +5,12 @@
 //! a str, bytes or big int, [`TENSOR_COST`] for a tensor view) against a byte budget of
 //! [`TREE_BUDGET_PER_BYTE`] bytes per pickle byte plus [`BUDGET_FLOOR`]: a pickle that
 //! references a big string or container thousands of times is refused, not expanded.
+//!
+//! The conversion is a loop over an explicit stack of the containers being built, so the
+//! thread's stack does not grow with the depth. A node more than [`MAX_DEPTH`] levels below
+//! the root, or a container met again inside itself (a reference cycle: the memo hands out a
+//! container before it is complete), is [`TorchIoError::TooDeep`], raised when the node is
+//! reached, before anything is built under it.
 use std::rc::Rc;
 
 use super::error::{Result, TorchIoError};
@@ -33,7 +39,7 @@ struct Converter<'p, 'm, 's> {
 pub(crate) fn to_value(pickle: &Pickle, tensors: &mut Materializer<'_>, pickle_len: usize) -> Result<Value> {
     let budget = (pickle_len as u64).saturating_mul(TREE_BUDGET_PER_BYTE).saturating_add(BUDGET_FLOOR);
     let mut c = Converter { pickle, tensors, path: Vec::new(), bytes: 0, budget };
-    c.convert(&pickle.root)
+    c.run()
 }
 
 fn obj_type(pickle: &Pickle, o: &Obj) -> &'static str {
@@ -55,9 +61,41 @@ fn obj_type(pickle: &Pickle, o: &Obj) -> &'static str {
     }
 }
 
-impl Converter<'_, '_, '_> {
+/// A container being built: its heap index, its children not yet converted, and the copy so
+/// far.
+struct Open<'p> {
+    heap: usize,
+    kind: OpenKind<'p>,
+}
+
+enum OpenKind<'p> {
+    Seq {
+        tuple: bool,
+        items: std::iter::Enumerate<std::slice::Iter<'p, Obj>>,
+        out: Vec<Value>,
+    },
+    Dict {
+        items: std::slice::Iter<'p, (Obj, Obj)>,
+        attrs: std::slice::Iter<'p, (Obj, Obj)>,
+        out: Dict,
+        /// Where the child being converted goes.
+        slot: Option<Slot>,
+    },
+}
+
+enum Slot {
+    Entry(Key),
+    Attribute(String),
+}
+
+/// A node started: a finished value, or a container whose children come next.
+enum Started<'p> {
+    Done(Value),
+    Open(Open<'p>),
+}
+
+impl<'p> Converter<'p, '_, '_> {
     /// Charges `bytes` of tree against the budget.
-    #[inline(never)]
     fn charge(&mut self, bytes: u64) -> Result<()> {
         self.bytes = self.bytes.saturating_add(bytes);
         if self.bytes > self.budget {
@@ -69,14 +107,55 @@ impl Converter<'_, '_, '_> {
         Ok(())
     }
 
-    /// One node. The recursion (node, container, node, ...) is at most [`MAX_DEPTH`] deep;
-    /// each container kind has its own small frame, so that the depth limit, not the thread's
-    /// stack, is what a deep file meets.
-    fn convert(&mut self, o: &Obj) -> Result<Value> {
+    /// The root, depth first. `building[i]`: heap object `i` is an open container, so a
+    /// reference to it from inside itself is a cycle.
+    fn run(&mut self) -> Result<Value> {
+        let pickle = self.pickle;
+        let mut building = vec![false; pickle.heap.len()];
+        let mut open: Vec<Open<'p>> = Vec::new();
+        let mut next = self.start(&pickle.root, &building)?;
+        loop {
+            let done = match next {
+                Started::Open(o) => {
+                    building[o.heap] = true;
+                    open.push(o);
+                    None
+                }
+                Started::Done(v) => Some(v),
+            };
+            // Hand finished values to their containers, closing those that are complete,
+            // until one has a child left to convert.
+            let mut done = done;
+            loop {
+                let Some(top) = open.last_mut() else {
+                    return Ok(done.expect("the root is finished when no container is open"));
+                };
+                if let Some(v) = done.take() {
+                    self.path.pop();
+                    top.accept(v);
+                }
+                match self.next_child(top)? {
+                    Some(child) => {
+                        next = self.start(child, &building)?;
+                        break;
+                    }
+                    None => {
+                        let o = open.pop().expect("checked above");
+                        building[o.heap] = false;
+                        done = Some(o.finish());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Charges a node and checks its depth; a leaf is converted whole, a container opened.
+    fn start(&mut self, o: &'p Obj, building: &[bool]) -> Result<Started<'p>> {
+        let pickle = self.pickle;
         let payload = match o {
             Obj::Str(s) => s.len(),
             Obj::Bytes(b) | Obj::BigInt(b) => b.len(),
-            Obj::Ref(i) => match self.pickle.heap.get(*i) {
+            Obj::Ref(i) => match pickle.heap.get(*i) {
                 HeapObj::Tensor(_) => TENSOR_COST as usize,
                 _ => 0,
             },
@@ -84,9 +163,9 @@ impl Converter<'_, '_, '_> {
         };
         self.charge(std::mem::size_of::<Value>() as u64 + payload as u64)?;
         if self.path.len() > MAX_DEPTH {
-            return Err(self.too_deep());
+            return Err(self.too_deep("nesting depth"));
         }
-        Ok(match o {
+        Ok(Started::Done(match o {
             Obj::None => Value::None,
             Obj::Bool(b) => Value::Bool(*b),
             Obj::Int(i) => Value::Int(*i),
@@ -95,29 +174,74 @@ impl Converter<'_, '_, '_> {
             Obj::Str(s) => Value::Str(s.to_string()),
             Obj::Bytes(b) => Value::Bytes(b.to_vec()),
             Obj::Ref(i) => {
-                let pickle = self.pickle;
-                match pickle.heap.get(*i) {
-                    HeapObj::List(items) => Value::List(self.seq(items)?),
-                    HeapObj::Tuple(items) => Value::Tuple(self.seq(items)?),
-                    HeapObj::Dict { ordered, items, attrs } => Value::Dict(self.dict(*ordered, items, attrs)?),
-                    other => self.leaf(other)?,
+                let obj = pickle.heap.get(*i);
+                if building[*i] && matches!(obj, HeapObj::List(_) | HeapObj::Tuple(_) | HeapObj::Dict { .. }) {
+                    return Err(self.too_deep("nesting depth (a container that contains itself)"));
                 }
+                let kind = match obj {
+                    HeapObj::List(items) | HeapObj::Tuple(items) => OpenKind::Seq {
+                        tuple: matches!(obj, HeapObj::Tuple(_)),
+                        items: items.iter().enumerate(),
+                        out: Vec::with_capacity(items.len()),
+                    },
+                    HeapObj::Dict { ordered, items, attrs } => OpenKind::Dict {
+                        items: items.iter(),
+                        attrs: attrs.iter(),
+                        out: if *ordered { Dict::new_ordered() } else { Dict::new() },
+                        slot: None,
+                    },
+                    other => return Ok(Started::Done(self.leaf(other)?)),
+                };
+                return Ok(Started::Open(Open { heap: *i, kind }));
             }
-        })
+        }))
     }
 
-    #[cold]
-    #[inline(never)]
-    fn too_deep(&self) -> TorchIoError {
-        TorchIoError::TooDeep {
-            what: "nesting depth (or a self-referencing structure)",
-            path: format_path(&self.path),
-            limit: MAX_DEPTH as u64,
+    /// The next child of `o` to convert, its path segment pushed; `None` when all are done.
+    fn next_child(&mut self, o: &mut Open<'p>) -> Result<Option<&'p Obj>> {
+        match &mut o.kind {
+            OpenKind::Seq { items, .. } => Ok(items.next().map(|(i, x)| {
+                self.path.push(PathSeg::Int(i as i64));
+                x
+            })),
+            OpenKind::Dict { items, attrs, slot, .. } => {
+                if let Some((k, v)) = items.next() {
+                    let entry = std::mem::size_of::<(Key, Value)>() + std::mem::size_of::<usize>();
+                    let key_len = if let Obj::Str(s) = k { s.len() } else { 0 };
+                    self.charge((entry + key_len) as u64)?;
+                    let (key, seg) = match k {
+                        Obj::Str(s) => (Key::Str(s.to_string()), PathSeg::Str(s.clone())),
+                        Obj::Int(i) => (Key::Int(*i), PathSeg::Int(*i)),
+                        other => {
+                            return Err(TorchIoError::UnsupportedKey {
+                                path: format_path(&self.path),
+                                found: obj_type(self.pickle, other),
+                            })
+                        }
+                    };
+                    self.path.push(seg);
+                    *slot = Some(Slot::Entry(key));
+                    return Ok(Some(v));
+                }
+                for (k, v) in attrs.by_ref() {
+                    let Obj::Str(name) = k else { continue };
+                    let entry = std::mem::size_of::<(String, Value)>() + std::mem::size_of::<usize>();
+                    self.charge((entry + name.len()) as u64)?;
+                    self.path.push(PathSeg::Str(name.clone()));
+                    *slot = Some(Slot::Attribute(name.to_string()));
+                    return Ok(Some(v));
+                }
+                Ok(None)
+            }
         }
     }
 
+    #[cold]
+    fn too_deep(&self, what: &'static str) -> TorchIoError {
+        TorchIoError::TooDeep { what, path: format_path(&self.path), limit: MAX_DEPTH as u64 }
+    }
+
     /// A tensor, or an error for the heap objects the tree has no place for.
-    #[inline(never)]
     fn leaf(&mut self, o: &HeapObj) -> Result<Value> {
         match o {
             HeapObj::Tensor(spec) => Ok(Value::Tensor(self.tensors.tensor(spec)?)),
@@ -133,49 +257,30 @@ impl Converter<'_, '_, '_> {
             }
         }
     }
+}
 
-    #[inline(never)]
-    fn dict(&mut self, ordered: bool, items: &[(Obj, Obj)], attrs: &[(Obj, Obj)]) -> Result<Dict> {
-        let mut d = if ordered { Dict::new_ordered() } else { Dict::new() };
-        for (k, v) in items {
-            let entry = std::mem::size_of::<(Key, Value)>() + std::mem::size_of::<usize>();
-            let key_len = if let Obj::Str(s) = k { s.len() } else { 0 };
-            self.charge((entry + key_len) as u64)?;
-            let (key, seg) = match k {
-                Obj::Str(s) => (Key::Str(s.to_string()), PathSeg::Str(s.clone())),
-                Obj::Int(i) => (Key::Int(*i), PathSeg::Int(*i)),
-                other => {
-                    return Err(TorchIoError::UnsupportedKey {
-                        path: format_path(&self.path),
-                        found: obj_type(self.pickle, other),
-                    })
+impl Open<'_> {
+    /// Stores the child converted last.
+    fn accept(&mut self, v: Value) {
+        match &mut self.kind {
+            OpenKind::Seq { out, .. } => out.push(v),
+            OpenKind::Dict { out, slot, .. } => match slot.take() {
+                Some(Slot::Entry(k)) => {
+                    out.insert(k, v);
                 }
-            };
-            self.path.push(seg);
-            let v = self.convert(v)?;
-            self.path.pop();
-            d.insert(key, v);
+                Some(Slot::Attribute(name)) => {
+                    out.set_attribute(name, v);
+                }
+                None => unreachable!("a dict's child is converted after its slot is set"),
+            },
         }
-        for (k, v) in attrs {
-            let Obj::Str(name) = k else { continue };
-            let entry = std::mem::size_of::<(String, Value)>() + std::mem::size_of::<usize>();
-            self.charge((entry + name.len()) as u64)?;
-            self.path.push(PathSeg::Str(name.clone()));
-            let v = self.convert(v)?;
-            self.path.pop();
-            d.set_attribute(name.to_string(), v);
-        }
-        Ok(d)
     }
 
-    #[inline(never)]
-    fn seq(&mut self, items: &[Obj]) -> Result<Vec<Value>> {
-        let mut out = Vec::with_capacity(items.len());
-        for (i, x) in items.iter().enumerate() {
-            self.path.push(PathSeg::Int(i as i64));
-            out.push(self.convert(x)?);
-            self.path.pop();
+    fn finish(self) -> Value {
+        match self.kind {
+            OpenKind::Seq { tuple: false, out, .. } => Value::List(out),
+            OpenKind::Seq { tuple: true, out, .. } => Value::Tuple(out),
+            OpenKind::Dict { out, .. } => Value::Dict(out),
         }
-        Ok(out)
     }
 }

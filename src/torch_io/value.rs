@@ -5,6 +5,7 @@ use indexmap::IndexMap;
 use tch::Tensor;
 
 use super::error::{Result, TorchIoError};
+use super::walk::{Edge, Step, Walk};
 
 /// A Python value as `torch.save` stores it.
 ///
@@ -13,7 +14,12 @@ use super::error::{Result, TorchIoError};
 /// [`Dict::is_ordered`] telling which). A `torch.Tensor` or `nn.Parameter` becomes a
 /// [`Value::Tensor`] holding a tch tensor with the saved dtype, shape, strides and storage
 /// offset; tensors that viewed one storage in Python view one storage in tch too.
-#[derive(Debug)]
+///
+/// A tree may be of any depth: dropping it, `Debug` and [`Value::shallow_clone`] walk it on
+/// the heap, not on the thread's stack. Reading and writing refuse a tree more than 256
+/// levels deep ([`TorchIoError::TooDeep`]). Because `Value` implements `Drop`, a payload is
+/// taken out of it through a reference (`std::mem::take(d)` on `Value::Dict(d)`), not by
+/// moving it out in a pattern.
 #[non_exhaustive]
 pub enum Value {
     /// `None`.
@@ -164,7 +170,7 @@ impl From<i32> for Key {
 /// attaches `_metadata` (each submodule's `version`, which `load_state_dict` passes to
 /// `_load_from_state_dict`, e.g. BatchNorm's). They are kept, readable with
 /// [`Dict::attribute`], and written back.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Dict {
     ordered: bool,
     entries: IndexMap<Key, Value>,
@@ -214,6 +220,21 @@ impl Dict {
         self.entries.get(&Key::Str(key.to_string()))
     }
 
+    /// The value under `key`, to change in place.
+    pub fn get_mut(&mut self, key: &Key) -> Option<&mut Value> {
+        self.entries.get_mut(key)
+    }
+
+    /// The value under the str key `key`, to change in place.
+    pub fn get_str_mut(&mut self, key: &str) -> Option<&mut Value> {
+        self.entries.get_mut(&Key::Str(key.to_string()))
+    }
+
+    /// Entries in insertion order, values mutable.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&Key, &mut Value)> {
+        self.entries.iter_mut()
+    }
+
     /// Removes `key`, keeping the order of the others.
     pub fn remove(&mut self, key: &Key) -> Option<Value> {
         self.entries.shift_remove(key)
@@ -259,6 +280,78 @@ impl Dict {
     pub fn remove_attribute(&mut self, name: &str) -> Option<Value> {
         self.attributes.shift_remove(name)
     }
+
+    pub(crate) fn entry_map(&self) -> &IndexMap<Key, Value> {
+        &self.entries
+    }
+
+    pub(crate) fn attribute_map(&self) -> &IndexMap<String, Value> {
+        &self.attributes
+    }
+}
+
+impl fmt::Debug for Dict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        super::debug::dict(self, f)
+    }
+}
+
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        super::debug::value(self, f)
+    }
+}
+
+/// The children of a container, moved out of it.
+type Children = Box<dyn Iterator<Item = Value>>;
+
+impl Value {
+    /// Whether this is a container holding anything.
+    fn has_children(&self) -> bool {
+        match self {
+            Value::List(v) | Value::Tuple(v) => !v.is_empty(),
+            Value::Dict(d) => !d.entries.is_empty() || !d.attributes.is_empty(),
+            _ => false,
+        }
+    }
+
+    /// Moves the children out when one of them has children of its own (dropping it in place
+    /// would recurse); `None` leaves the children to drop glue, which then does not recurse.
+    fn take_nested(&mut self) -> Option<Children> {
+        match self {
+            Value::List(v) | Value::Tuple(v) if v.iter().any(Value::has_children) => {
+                Some(Box::new(std::mem::take(v).into_iter()))
+            }
+            Value::Dict(d) if d.entries.values().chain(d.attributes.values()).any(Value::has_children) => {
+                let entries = std::mem::take(&mut d.entries).into_values();
+                Some(Box::new(entries.chain(std::mem::take(&mut d.attributes).into_values())))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Drops a tree of any depth on a heap stack of child iterators: each node is emptied of its
+/// children before it is dropped, so drop glue never nests.
+impl Drop for Value {
+    fn drop(&mut self) {
+        let Some(children) = self.take_nested() else { return };
+        let mut stack = vec![children];
+        while let Some(top) = stack.last_mut() {
+            let Some(mut child) = top.next() else {
+                stack.pop();
+                continue;
+            };
+            if top.size_hint().1 == Some(0) {
+                // Exhausted: off the stack before the child's children go on it (a chain
+                // keeps one iterator, not one per level).
+                stack.pop();
+            }
+            if let Some(grandchildren) = child.take_nested() {
+                stack.push(grandchildren);
+            }
+        }
+    }
 }
 
 impl FromIterator<(Key, Value)> for Dict {
@@ -295,25 +388,163 @@ impl Value {
         self.node().get(key)
     }
 
+    /// The entry under a dict key, or the element at a list/tuple index (negative indices count
+    /// from the end), to change in place. One step; [`Value::path_mut`] goes down several and
+    /// names the whole path in its errors.
+    ///
+    /// # Errors
+    /// As [`Value::path_mut`].
+    pub fn get_mut<'k>(&mut self, seg: impl Into<Seg<'k>>) -> Result<&mut Value> {
+        self.path_mut(&[seg.into()])
+    }
+
+    /// The entry at `path` (dict keys and list/tuple indices, from this value), to change in
+    /// place without rebuilding the tree:
+    ///
+    /// ```
+    /// # use tch_amp::torch_io::{Dict, Seg, Value};
+    /// let group = Dict::new().with("lr", Value::Float(0.1)).with("weight_decay", Value::Float(0.01));
+    /// let opt = Dict::new().with("param_groups", Value::List(vec![Value::Dict(group)]));
+    /// let mut ckpt = Value::Dict(Dict::new().with("optimizer", Value::Dict(opt)));
+    /// let path = [Seg::from("optimizer"), Seg::from("param_groups"), Seg::from(0), Seg::from("weight_decay")];
+    /// *ckpt.path_mut(&path)? = Value::Float(0.0);
+    /// assert_eq!(ckpt.get("optimizer")?.get("param_groups")?.get(0)?.get("weight_decay")?.as_f64()?, 0.0);
+    /// let err = ckpt.path_mut(&[Seg::from("optimizer"), Seg::from("state")]).unwrap_err();
+    /// assert_eq!(err.to_string(), "optimizer has no key \"state\"");
+    /// # Ok::<(), tch_amp::torch_io::TorchIoError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`TorchIoError::MissingKey`], [`TorchIoError::IndexOutOfRange`], or
+    /// [`TorchIoError::TypeMismatch`] for a step into something that is no container (or a str
+    /// key into a list); each names the path walked so far.
+    pub fn path_mut(&mut self, path: &[Seg<'_>]) -> Result<&mut Value> {
+        let mut cur = self;
+        for (i, seg) in path.iter().enumerate() {
+            cur = cur.step_mut(seg, &path[..i])?;
+        }
+        Ok(cur)
+    }
+
+    /// One step of [`Value::path_mut`]; `before`: the segments walked to get here.
+    fn step_mut(&mut self, seg: &Seg<'_>, before: &[Seg<'_>]) -> Result<&mut Value> {
+        let here = || seg_path(before);
+        let found = self.type_name();
+        match (self, seg) {
+            (Value::Dict(d), Seg::Str(s)) => d
+                .entries
+                .get_mut(&Key::Str((*s).to_string()))
+                .ok_or_else(|| TorchIoError::MissingKey { path: here(), key: format!("{s:?}") }),
+            (Value::Dict(d), Seg::Int(i)) => d
+                .entries
+                .get_mut(&Key::Int(*i))
+                .ok_or_else(|| TorchIoError::MissingKey { path: here(), key: i.to_string() }),
+            (Value::List(v) | Value::Tuple(v), Seg::Int(i)) => {
+                let len = v.len();
+                let idx = if *i < 0 { *i + len as i64 } else { *i };
+                match usize::try_from(idx).ok().filter(|&x| x < len) {
+                    Some(x) => Ok(&mut v[x]),
+                    None => Err(TorchIoError::IndexOutOfRange {
+                        path: here(),
+                        index: usize::try_from(*i).unwrap_or(usize::MAX),
+                        len,
+                    }),
+                }
+            }
+            (Value::List(_) | Value::Tuple(_), Seg::Str(_)) => {
+                Err(TorchIoError::TypeMismatch { path: here(), expected: "dict", found })
+            }
+            _ => Err(TorchIoError::TypeMismatch { path: here(), expected: "dict, list or tuple", found }),
+        }
+    }
+
+    /// Inserts or replaces an entry of this dict (a replaced key keeps its position); returns
+    /// the old value.
+    ///
+    /// # Errors
+    /// [`TorchIoError::TypeMismatch`] when this is no dict.
+    pub fn insert(&mut self, key: impl Into<Key>, value: Value) -> Result<Option<Value>> {
+        let found = self.type_name();
+        match self {
+            Value::Dict(d) => Ok(d.insert(key, value)),
+            _ => Err(TorchIoError::TypeMismatch { path: "<root>".into(), expected: "dict", found }),
+        }
+    }
+
+    /// Removes the entry under a dict key (the others keep their order), or the element at a
+    /// list index (negative indices count from the end); `None` when there is none.
+    ///
+    /// # Errors
+    /// [`TorchIoError::TypeMismatch`] when this is neither a dict nor a list (a tuple cannot
+    /// shrink), or for a str key into a list.
+    pub fn remove<'k>(&mut self, seg: impl Into<Seg<'k>>) -> Result<Option<Value>> {
+        let found = self.type_name();
+        let seg = seg.into();
+        match (self, &seg) {
+            (Value::Dict(d), _) => Ok(d.remove(&match seg {
+                Seg::Str(s) => Key::Str(s.to_string()),
+                Seg::Int(i) => Key::Int(i),
+            })),
+            (Value::List(v), Seg::Int(i)) => {
+                let len = v.len() as i64;
+                let idx = if *i < 0 { *i + len } else { *i };
+                Ok((0..len).contains(&idx).then(|| v.remove(idx as usize)))
+            }
+            (Value::List(_), Seg::Str(_)) => {
+                Err(TorchIoError::TypeMismatch { path: "<root>".into(), expected: "dict", found })
+            }
+            _ => Err(TorchIoError::TypeMismatch { path: "<root>".into(), expected: "dict or list", found }),
+        }
+    }
+
     /// A copy of the tree; tensors are shallow copies (they share storage with the original).
     pub fn shallow_clone(&self) -> Value {
-        match self {
-            Value::None => Value::None,
-            Value::Bool(b) => Value::Bool(*b),
-            Value::Int(i) => Value::Int(*i),
-            Value::BigInt(b) => Value::BigInt(b.clone()),
-            Value::Float(f) => Value::Float(*f),
-            Value::Str(s) => Value::Str(s.clone()),
-            Value::Bytes(b) => Value::Bytes(b.clone()),
-            Value::List(v) => Value::List(v.iter().map(Value::shallow_clone).collect()),
-            Value::Tuple(v) => Value::Tuple(v.iter().map(Value::shallow_clone).collect()),
-            Value::Dict(d) => Value::Dict(Dict {
-                ordered: d.ordered,
-                entries: d.entries.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(),
-                attributes: d.attributes.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(),
-            }),
-            Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
+        // Copies of the open containers, innermost last, each with how it hangs from its own.
+        let mut open: Vec<(Value, Option<Edge<'_>>)> = Vec::new();
+        for step in Walk::new(self) {
+            let (copy, edge) = match step {
+                Step::Enter(v, edge) => {
+                    let copy = match v {
+                        Value::None => Value::None,
+                        Value::Bool(b) => Value::Bool(*b),
+                        Value::Int(i) => Value::Int(*i),
+                        Value::BigInt(b) => Value::BigInt(b.clone()),
+                        Value::Float(f) => Value::Float(*f),
+                        Value::Str(s) => Value::Str(s.clone()),
+                        Value::Bytes(b) => Value::Bytes(b.clone()),
+                        Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
+                        Value::List(v) => Value::List(Vec::with_capacity(v.len())),
+                        Value::Tuple(v) => Value::Tuple(Vec::with_capacity(v.len())),
+                        Value::Dict(d) => Value::Dict(Dict {
+                            ordered: d.ordered,
+                            entries: IndexMap::with_capacity(d.entries.len()),
+                            attributes: IndexMap::with_capacity(d.attributes.len()),
+                        }),
+                    };
+                    if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
+                        open.push((copy, edge));
+                        continue;
+                    }
+                    (copy, edge)
+                }
+                Step::Leave(Value::List(_) | Value::Tuple(_) | Value::Dict(_)) => {
+                    open.pop().expect("a container left was entered")
+                }
+                Step::Leave(_) => continue,
+            };
+            match (open.last_mut(), edge) {
+                (None, _) => return copy,
+                (Some((Value::List(items) | Value::Tuple(items), _)), _) => items.push(copy),
+                (Some((Value::Dict(d), _)), Some(Edge::Key(_, k))) => {
+                    d.entries.insert(k.clone(), copy);
+                }
+                (Some((Value::Dict(d), _)), Some(Edge::Attr(_, name))) => {
+                    d.attributes.insert(name.to_string(), copy);
+                }
+                _ => unreachable!("a container's children hang from it by index, key or attribute"),
+            }
         }
+        unreachable!("a walk ends by leaving the root")
     }
 }
 
@@ -428,6 +659,18 @@ pub(crate) fn format_path<S: AsRef<str>>(segs: &[PathSeg<S>]) -> String {
         }
     }
     out
+}
+
+/// The path of `segs`, as [`format_path`] shows it.
+fn seg_path(segs: &[Seg<'_>]) -> String {
+    let segs: Vec<PathSeg<&str>> = segs
+        .iter()
+        .map(|s| match s {
+            Seg::Str(s) => PathSeg::Str(*s),
+            Seg::Int(i) => PathSeg::Int(*i),
+        })
+        .collect();
+    format_path(&segs)
 }
 
 /// A path segment with owned or borrowed strings.
@@ -664,6 +907,29 @@ mod tests {
         assert_eq!(format_path(&segs), "model[\"fc1.weight\"]");
         let segs = [PathSeg::Str("3")];
         assert_eq!(format_path(&segs), "[\"3\"]");
+    }
+
+    #[test]
+    fn nested_entries_change_in_place() {
+        let groups = Value::List(vec![
+            Value::Dict(Dict::new().with("lr", Value::Float(0.1))),
+            Value::Dict(Dict::new().with("lr", Value::Float(0.2))),
+        ]);
+        let mut v = Value::Dict(Dict::new().with("param_groups", groups).with("epoch", Value::Int(1)));
+        *v.path_mut(&[Seg::from("param_groups"), Seg::from(-1), Seg::from("lr")]).unwrap() = Value::Float(0.5);
+        assert_eq!(v.get("param_groups").unwrap().get(1).unwrap().get("lr").unwrap().as_f64().unwrap(), 0.5);
+        v.get_mut("param_groups").unwrap().get_mut(0).unwrap().insert("weight_decay", Value::Float(0.0)).unwrap();
+        assert!(v.get("param_groups").unwrap().get(0).unwrap().get("weight_decay").is_ok());
+        assert!(matches!(v.get_mut("param_groups").unwrap().remove(0), Ok(Some(Value::Dict(_)))));
+        assert!(matches!(v.remove("epoch"), Ok(Some(Value::Int(1)))));
+        assert!(matches!(v.remove("epoch"), Ok(None)));
+        let err = v.path_mut(&[Seg::from("param_groups"), Seg::from(3)]).unwrap_err();
+        assert_eq!(err.to_string(), "param_groups has 1 elements, index 3 is out of range");
+        let err = v.path_mut(&[Seg::from("param_groups"), Seg::from(0), Seg::from("lr"), Seg::from("x")]).unwrap_err();
+        assert!(
+            matches!(err, TorchIoError::TypeMismatch { ref path, found: "float", .. } if path == "param_groups.0.lr")
+        );
+        assert!(matches!(Value::Int(1).insert("k", Value::None), Err(TorchIoError::TypeMismatch { .. })));
     }
 
     #[test]

@@ -180,51 +180,39 @@ fn o1_backward_outside_scale_loss_is_refused() {
     assert_unchanged(&before, &r, "backward outside scale_loss");
 }
 
-/// timm's native-AMP habit ported to O2: clipping the model's own gradients after scale_loss
-/// (they are the fp16 gradients step() still has to unscale) used to step from clipped scaled
-/// values silently. step() now names them (ModelGradsChanged), nothing changed; clipping with
-/// opt.clip_grad_norm (the fp32 master gradients, Apex's way) steps. At O1 the model's
-/// gradients are already unscaled when scale_loss returns, so clipping them is fine.
+/// timm's native-AMP habit ported to O2: clipping the model's own parameters after scale_loss.
+/// Their gradients are on the fp32 masters by then (scale_loss made them and released the fp16
+/// ones), so such a clip would clip nothing: it is refused, naming the masters, and changes
+/// nothing; clipping with opt.clip_grad_norm (the fp32 master gradients, Apex's way) steps. At
+/// O1 the model's gradients are the unscaled ones, so clipping them is fine.
 #[test]
 fn clipping_the_fp16_model_gradients_under_o2_is_refused() {
-    let clip_model_grads = |vs: &VarStore| {
-        let _g = tch::no_grad_guard();
-        for v in vs.trainable_variables() {
-            let mut g = v.grad();
-            if g.defined() {
-                let _ = g.g_mul_scalar_(0.5);
-            }
-        }
-    };
+    let clip_model = |vs: &VarStore| tch_amp::torch_amp::clip_grad_norm_(&vs.trainable_variables(), 0.5, 2.0);
     let mut r = run(AmpConfig::new(OptLevel::O2), nn::Adam::default());
     good_step(&mut r, 0);
     r.opt.zero_grad().unwrap();
     let l = loss(&r, 1);
     r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
-    clip_model_grads(&r.vs);
     let before = snapshot_without_masters(&r);
-    match r.opt.step() {
-        Err(AmpError::Usage(UsageError::ModelGradsChanged { params })) => {
-            assert_eq!(params, ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
+    match clip_model(&r.vs) {
+        Err(AmpError::Usage(UsageError::CallOrder { call: "clip_grad_norm", when, .. })) => {
+            assert!(when.contains("masters"), "{when}")
         }
         other => panic!("{other:?}"),
     }
-    assert_unchanged_without_masters(&before, &r, "clipped fp16 gradients");
-    // The right way: a fresh pass, then clip the fp32 master gradients.
-    r.opt.zero_grad().unwrap();
-    let l = loss(&r, 1);
-    r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
+    assert_unchanged_without_masters(&before, &r, "refused clip of the fp16 model");
+    // The right way: clip the fp32 master gradients.
     assert!(r.opt.clip_grad_norm(1.0, 2.0).unwrap() > 0.0);
     assert!(r.opt.step().unwrap().stepped());
     // O1: the model's gradients are the unscaled ones; clipping them is the user's choice.
     let mut r = run(AmpConfig::new(OptLevel::O1), nn::Adam::default());
     let l = loss(&r, 1);
     r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
-    clip_model_grads(&r.vs);
+    assert!(f64::try_from(clip_model(&r.vs).unwrap()).unwrap() > 0.0);
     assert!(r.opt.step().unwrap().stepped());
 }
 
-/// [`snapshot`] without `master_params()` (which would make O2's pending master gradients).
+/// [`snapshot`] without the masters.
 fn snapshot_without_masters(r: &Run) -> (Vec<(String, Tensor)>, String, (u64, u64)) {
     let mut vars: Vec<(String, Tensor)> = r.vs.variables().into_iter().map(|(k, v)| (k, v.copy())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -406,13 +394,13 @@ fn bad_losses_are_refused_before_backward() {
             })
             .unwrap_err();
         match (*what, &err) {
-            ("non-scalar", AmpError::Usage(UsageError::BadLoss { problem })) => {
+            ("non-scalar", AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem })) => {
                 assert!(problem.contains("[8, 4]"), "{problem}")
             }
-            ("no graph", AmpError::Usage(UsageError::BadLoss { problem })) => {
+            ("no graph", AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem })) => {
                 assert!(problem.contains("require grad"), "{problem}")
             }
-            ("undefined", AmpError::Usage(UsageError::BadLoss { problem })) => {
+            ("undefined", AmpError::Usage(UsageError::BadLoss { call: "scale_loss", problem })) => {
                 assert!(problem.contains("undefined"), "{problem}")
             }
             _ => panic!("{what}: {err:?}"),

@@ -4,13 +4,19 @@
 //! scripts (weight decay 0.01 for weights and embeddings, 0.0 for biases and LayerNorm
 //! weights). Checked: the groups hold what the scripts put in them, training on a small token
 //! task lowers the loss, a run saved and resumed mid-way continues bit for bit, and the O2 run
-//! stays close to the fp32 (O0) run of the same script (bound below). LAMB's arithmetic itself
-//! is checked bit for bit against the reference in apex_optimizers.rs.
+//! stays close to the fp32 (O0) run of the same script (bound below), and run_pretraining.py's
+//! checkpoints move between Python and the port both ways, bit for bit. LAMB's arithmetic
+//! itself is checked bit for bit against the reference in apex_optimizers.rs.
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
+use tch_amp::torch_checkpoint::{TorchLoadOptions, TorchSaveOptions};
+use tch_amp::torch_io::Value;
 use tch_amp::{
-    load_checkpoint, save_checkpoint, Amp, AmpConfig, AmpModel, AmpOptimizer, FusedLamb, OptLevel, ParamGroup,
+    load_checkpoint, load_torch_checkpoint, save_checkpoint, save_torch_checkpoint, Amp, AmpConfig, AmpModel,
+    AmpOptimizer, FusedLamb, OptLevel, ParamGroup,
 };
+
+use crate::common::reference::{bits_equal, describe_diff, Fixture};
 
 const VOCAB: i64 = 24;
 const HIDDEN: i64 = 16;
@@ -211,4 +217,174 @@ fn resume_mid_way_is_bit_exact() {
         assert!(ta.equal(tb), "{na} differs after resuming");
     }
     assert_eq!(straight.opt.to_record().groups[1].step, 20);
+}
+
+// ---------------------------------------------------------------------------------------------
+// run_pretraining.py's checkpoints, both ways (scripts/reference/ported_checkpoints.py)
+
+/// run_pretraining.py's settings of the test (see the script).
+const INIT_LOSS_SCALE: f64 = 1024.0;
+const BASE_LR: f64 = 2e-2;
+const WARMUP: f64 = 0.2;
+const TOTAL_STEPS: u64 = 100;
+const OVERFLOW_STEP: i64 = 13;
+
+/// The port of run_pretraining.py's setup: `amp.initialize(opt_level="O2")` with the script's
+/// `init_loss_scale`, FusedLAMB over its two groups (the file's weight decay replaces the
+/// groups' on load), torch's fp16 kernels as the script's fp16 model runs them.
+fn pretraining_setup() -> Run {
+    let vs = VarStore::new(Device::Cpu);
+    let net = BertBlock::new(&vs.root());
+    let config =
+        AmpConfig::new(OptLevel::O2).init_loss_scale(INIT_LOSS_SCALE).verbosity(0).emulate_low_precision_on_cpu(false);
+    let amp = Amp::new(&config).unwrap();
+    let model = amp.cast_model(&vs, net).unwrap();
+    let groups = [ParamGroup::matching(|n| !no_decay(n)).weight_decay(0.01), ParamGroup::rest().weight_decay(0.0)];
+    let opt = amp.optimizer_groups(&vs, FusedLamb::default(), BASE_LR, &groups).unwrap();
+    Run { vs, model, opt, amp }
+}
+
+/// schedulers.py's PolyWarmUpScheduler: it reads the optimizer's group step (Apex's
+/// `group['step']`, steps taken: `step_counts().0`).
+fn poly_warmup_lr(opt: &AmpOptimizer) -> f64 {
+    let last_epoch = opt.step_counts().0 + 1;
+    let progress = last_epoch as f64 / TOTAL_STEPS as f64;
+    if progress < WARMUP {
+        BASE_LR * progress / WARMUP
+    } else {
+        // Python's `x ** 0.5` is libm's pow, not sqrt.
+        BASE_LR * (1.0 - progress).powf(std::hint::black_box(0.5))
+    }
+}
+
+/// One iteration of run_pretraining.py: (loss, scale used, skipped, lr).
+fn pretraining_step(r: &mut Run, step: i64) -> (Tensor, f64, bool, f64) {
+    let (ids, mask, target) = batch(step);
+    r.opt.zero_grad().unwrap();
+    let logits = r.model.forward_many((&ids, &mask), |m, (ids, mask)| m.forward(&ids, &mask));
+    let loss = logits.view([-1, VOCAB]).cross_entropy_for_logits(&target.view([-1]));
+    let user = if step == OVERFLOW_STEP { &loss * 1048576.0 } else { loss.shallow_clone() };
+    let scale = r.amp.scale_loss(&user, &mut [&mut r.opt], |l| l.backward()).unwrap().loss_scale;
+    let lr = poly_warmup_lr(&r.opt);
+    r.opt.set_lr(lr).unwrap();
+    let skipped = !r.opt.step().unwrap().stepped();
+    (loss.detach().copy(), scale, skipped, lr)
+}
+
+/// Differences between the port's run (its records `rec`) and the script's under `tag`.
+fn compare_pretraining(r: &Run, rec: &[(Tensor, f64, bool, f64)], fx: &Fixture, tag: &str) -> Vec<String> {
+    let mut bad = Vec::new();
+    let get = |k: &str| fx.get(&format!("{tag}/{k}"));
+    for (i, (loss, scale, skipped, lr)) in rec.iter().enumerate() {
+        let i = i as i64;
+        if !bits_equal(loss, &get("loss").get(i)) {
+            bad.push(format!("{tag}: loss of step {i}: {loss:?} vs {:?}", get("loss").get(i)));
+        }
+        let want =
+            (get("scale").double_value(&[i]), get("skipped").int64_value(&[i]) != 0, get("lr").double_value(&[i]));
+        if (*scale, *skipped, *lr) != want {
+            bad.push(format!("{tag}: step {i}: scale, skipped, lr {:?} vs {want:?}", (scale, skipped, lr)));
+        }
+    }
+    for (name, v) in r.vs.variables() {
+        if !bits_equal(&v, get(&format!("final/{name}"))) {
+            bad.push(format!("{tag}: {name}: {}", describe_diff(&v, get(&format!("final/{name}")))));
+        }
+    }
+    let record = r.opt.to_record();
+    for p in &record.params {
+        let master = p.master.as_ref().expect("O2: every parameter has a master");
+        if !bits_equal(master, get(&format!("master/{}", p.name))) {
+            bad.push(format!(
+                "{tag}: master {}: {}",
+                p.name,
+                describe_diff(master, get(&format!("master/{}", p.name)))
+            ));
+        }
+        for (buf, v) in &p.buffers {
+            if !bits_equal(v, get(&format!("state/{}/{buf}", p.name))) {
+                bad.push(format!(
+                    "{tag}: {} {buf}: {}",
+                    p.name,
+                    describe_diff(v, get(&format!("state/{}/{buf}", p.name)))
+                ));
+            }
+        }
+    }
+    let steps: Vec<i64> = record.groups.iter().map(|g| g.step as i64).collect();
+    if steps != Vec::<i64>::try_from(get("group_step")).unwrap() {
+        bad.push(format!("{tag}: group steps {steps:?} vs {:?}", get("group_step")));
+    }
+    bad
+}
+
+/// run_pretraining.py's checkpoint logic (Apex O2, FusedLAMB in two groups at weight decay 0.01
+/// and 0.0, `'master params'`, no amp state: both sides restart the scale at
+/// `init_loss_scale`): the file Python wrote at step 6 resumes in Rust and continues for 20
+/// steps bit for bit as Python's uninterrupted run (losses, scale, the skipped step 13, the
+/// poly-warmup learning rate from the group step; weights, masters, LAMB's moments and group
+/// steps after); the file Rust wrote at step 10 resumes with run_pretraining.py's own resume code
+/// (the optimizer state onto the masters, then `'master params'` copied into them) and
+/// continues for 20 steps bit for bit as Rust's uninterrupted run. Python's FusedLAMB is Apex's
+/// class with the arithmetic of scripts/reference/apex_optim_fixtures.py; torch's fp16 kernels on
+/// both sides, one thread, the same machine.
+#[test]
+fn run_pretraining_checkpoints_resume_both_ways_bit_for_bit() {
+    tch::set_num_threads(1);
+    let (k, m, n) = (6i64, 4i64, 20i64);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let script = |args: &[&str]| {
+        crate::common::python::run_reference_script("ported_checkpoints.py", args, std::time::Duration::from_secs(300))
+    };
+    script(&["bert", "write", d]);
+    let fx = Fixture::read(&dir.path().join("bert.expected.safetensors"));
+    let python_file = dir.path().join(format!("ckpt_{k}.pt"));
+    let load = TorchLoadOptions::new().amp_key(None, false).master_params(0, "master params");
+
+    // Python's file, into a port whose groups hold other weight decays: the file's are taken.
+    let mut r = pretraining_setup();
+    r.opt.set_hyper_parameter(0, "weight_decay", 0.5).unwrap();
+    let report = load_torch_checkpoint(&python_file, &r.vs, &mut [&mut r.opt], &mut r.amp, &load).unwrap();
+    assert!(!report.amp_loaded);
+    let wd = |r: &Run, g| r.opt.hyper_parameters_group(g).unwrap().get("weight_decay").unwrap();
+    assert_eq!((wd(&r, 0), wd(&r, 1)), (0.01, 0.0));
+    assert_eq!(r.opt.to_record().groups.iter().map(|g| g.step).collect::<Vec<_>>(), [k as u64, k as u64]);
+    assert_eq!(r.opt.step_counts().0, k as u64);
+    let keys: Vec<String> = report.entries.keys().map(|k| k.to_string()).collect();
+    assert_eq!(keys, ["\"files\"", "\"epoch\"", "\"data_loader\""]);
+    let rec: Vec<_> = (k..k + n).map(|s| pretraining_step(&mut r, s)).collect();
+    let bad = compare_pretraining(&r, &rec, &fx, "run");
+    println!("BERT: Python's checkpoint resumed in Rust: {}", if bad.is_empty() { "bit for bit" } else { "DIFFERS" });
+    println!(
+        "  losses {:.4} .. {:.4}, scale {}",
+        rec[0].0.double_value(&[]),
+        rec[n as usize - 1].0.double_value(&[]),
+        r.amp.loss_scale(0).unwrap()
+    );
+    assert!(bad.is_empty(), "{} differences:\n{}", bad.len(), bad.join("\n"));
+
+    // The port's own run from Python's file: its checkpoint after step 10 resumes in Python.
+    let mut r = pretraining_setup();
+    load_torch_checkpoint(&python_file, &r.vs, &mut [&mut r.opt], &mut r.amp, &load).unwrap();
+    for s in k..k + m {
+        let _ = pretraining_step(&mut r, s);
+    }
+    let rust_file = dir.path().join(format!("ckpt_{}.pt", k + m));
+    let options = TorchSaveOptions::new()
+        .amp_key(None)
+        .master_params(0, "master params")
+        .entry("files", Value::List(vec![Value::Int(0), Value::from("shard_0.hdf5")]))
+        .entry("epoch", 0i64)
+        .entry("data_loader", Value::None);
+    save_torch_checkpoint(&rust_file, &r.vs, &[&r.opt], &r.amp, &options).unwrap();
+    let rec: Vec<_> = (k + m..k + m + n).map(|s| pretraining_step(&mut r, s)).collect();
+    let out = dir.path().join("bert.resume.safetensors");
+    script(&["bert", "resume", rust_file.to_str().unwrap(), out.to_str().unwrap()]);
+    let bad = compare_pretraining(&r, &rec, &Fixture::read(&out), "resume");
+    println!(
+        "BERT: Rust's checkpoint resumed by run_pretraining.py: {}",
+        if bad.is_empty() { "bit for bit" } else { "DIFFERS" }
+    );
+    assert!(bad.is_empty(), "{} differences:\n{}", bad.len(), bad.join("\n"));
 }

@@ -310,3 +310,28 @@ fn o2_clips_unscaled_fp32_master_grads() {
     assert!(crate::common::max_abs_diff(&master, &want) <= 1e-6);
     assert!(crate::common::same(&p, &master.to_kind(Kind::Half)));
 }
+
+/// The timm/BERT porters' mistake: clipping the O2 model's fp16 parameters after `scale_loss`,
+/// whose gradients live on the fp32 masters. torch's form, the fp16_utils form and the masters'.
+#[test]
+fn clipping_the_o2_models_fp16_parameters_is_refused() {
+    let vs = VarStore::new(Device::Cpu);
+    let _ = vs.root().var_copy("w", &t(&[1.0, 2.0, 3.0]));
+    let mut amp = Amp::new(&AmpConfig::new(OptLevel::O2).verbosity(0)).unwrap();
+    let _model = amp.cast_model(&vs, ()).unwrap();
+    let mut opt = amp.optimizer(&vs, tch::nn::Sgd::default(), 0.1).unwrap();
+    let w = var(&vs, "w");
+    assert_eq!(w.kind(), Kind::Half);
+    let loss = (w.to_kind(Kind::Float) * t(&[0.375, -0.5, 0.0])).sum(Kind::Float);
+    amp.scale_loss(&loss, &mut [&mut opt], |l| l.backward()).unwrap();
+    let model = vs.trainable_variables();
+    for e in [
+        tch_amp::torch_amp::clip_grad_norm_(&model, 1.0, 2.0).map(|_| ()).unwrap_err(),
+        tch_amp::fp16_utils::clip_grad_norm(&model, 1.0, 2.0).map(|_| ()).unwrap_err(),
+    ] {
+        assert!(matches!(&e, AmpError::Usage(UsageError::CallOrder { call: "clip_grad_norm", .. })), "{e}");
+        assert!(e.to_string().contains("master"), "{e}");
+    }
+    // The masters hold the gradient (0.375, -0.5, 0): norm 0.625, clipped to 0.5.
+    assert_eq!(opt.clip_grad_norm(0.5, 2.0).unwrap() as f32, 0.625);
+}

@@ -126,3 +126,36 @@ fn ema_decay_outside_0_1_is_refused() {
         assert!(ModelEma::new(&vs, &[&opt], bad).is_err(), "{bad}");
     }
 }
+
+/// The torch.amp path: a GradScaler loop over tch's own optimizer on fp32 parameters (no Amp,
+/// no masters: `&[]`). A stepped update is `decay * ema + (1 - decay) * weight` in fp32; a step
+/// the scaler skipped (inf in the loss) leaves the average as it was.
+#[test]
+fn ema_follows_a_grad_scaler_loop() {
+    use tch::nn::{self, Module, OptimizerConfig};
+    let vs = VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let mut scaler = tch_amp::GradScaler::new(Device::Cpu);
+    let mut ema = ModelEma::new(&vs, &[], 0.75).unwrap();
+    let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
+    for poison in [false, true] {
+        let before = ema_flat(&ema);
+        opt.zero_grad();
+        let mut loss =
+            tch_amp::autocast(Device::Cpu, || net.forward(&x)).unwrap().to_kind(Kind::Float).square().mean(None);
+        if poison {
+            loss = loss * f64::INFINITY;
+        }
+        scaler.scale(&loss).unwrap().backward();
+        let outcome = scaler.step(&mut opt).unwrap();
+        scaler.update().unwrap();
+        assert_eq!(outcome.stepped(), !poison);
+        ema.update(&vs, &[], outcome).unwrap();
+        let mut w: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        let w = Tensor::cat(&w.iter().map(|(_, t)| t.flatten(0, -1)).collect::<Vec<_>>(), 0);
+        let want = if poison { before.shallow_clone() } else { &before * 0.75 + &w * (1.0 - 0.75) };
+        assert_eq!(bits(&ema_flat(&ema)), bits(&want), "poisoned: {poison}");
+    }
+}

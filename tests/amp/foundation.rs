@@ -1,10 +1,10 @@
 //! The chain from Rust through tch and the C++ shim to libtorch 2.13 works on CPU.
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_amp::cast::{autocast, autocast_state, AutocastGuard};
 use tch_amp::diagnostics::check_aten_op;
 use tch_amp::error::ConfigError;
 use tch_amp::AmpError;
+use tch_amp::Autocast;
 
 #[test]
 fn tiny_fp16_op_on_cpu() {
@@ -25,31 +25,31 @@ fn linear_and_input() -> (nn::VarStore, nn::Linear, Tensor) {
 #[test]
 fn autocast_guard_casts_linear_on_cpu_and_restores() {
     let (_vs, linear, x) = linear_and_input();
-    assert!(!autocast_state(Device::Cpu).unwrap().enabled);
+    assert!(!Autocast::state(Device::Cpu).unwrap().enabled);
     for dtype in [Kind::Half, Kind::BFloat16] {
         {
-            let guard = AutocastGuard::new(Device::Cpu, true, dtype).unwrap();
+            let guard = Autocast::new(Device::Cpu).dtype(dtype).enter().unwrap();
             assert!(!guard.previous().enabled);
-            let state = autocast_state(Device::Cpu).unwrap();
+            let state = Autocast::state(Device::Cpu).unwrap();
             assert!(state.enabled);
             assert_eq!(state.dtype, dtype);
             assert_eq!(linear.forward(&x).kind(), dtype);
         }
-        assert!(!autocast_state(Device::Cpu).unwrap().enabled);
+        assert!(!Autocast::state(Device::Cpu).unwrap().enabled);
         assert_eq!(linear.forward(&x).kind(), Kind::Float);
     }
     // The closure form, and the default CPU dtype (bf16) comes back after it.
-    let y = autocast(Device::Cpu, Kind::Half, || linear.forward(&x)).unwrap();
+    let y = Autocast::new(Device::Cpu).dtype(Kind::Half).run(|| linear.forward(&x)).unwrap();
     assert_eq!(y.kind(), Kind::Half);
-    assert_eq!(autocast_state(Device::Cpu).unwrap().dtype, Kind::BFloat16);
+    assert_eq!(Autocast::state(Device::Cpu).unwrap().dtype, Kind::BFloat16);
 }
 
 #[test]
 fn nested_guards_restore_in_order() {
     let (_vs, linear, x) = linear_and_input();
-    let outer = AutocastGuard::new(Device::Cpu, true, Kind::Half).unwrap();
+    let outer = Autocast::new(Device::Cpu).dtype(Kind::Half).enter().unwrap();
     {
-        let _inner = AutocastGuard::new(Device::Cpu, false, Kind::Half).unwrap();
+        let _inner = Autocast::new(Device::Cpu).enabled(false).enter().unwrap();
         assert_eq!(linear.forward(&x).kind(), Kind::Float);
     }
     assert_eq!(linear.forward(&x).kind(), Kind::Half);
@@ -61,21 +61,21 @@ fn nested_guards_restore_in_order() {
 fn guard_restores_state_when_closure_panics() {
     let (_vs, linear, x) = linear_and_input();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        autocast(Device::Cpu, Kind::Half, || {
+        Autocast::new(Device::Cpu).dtype(Kind::Half).run(|| {
             assert_eq!(linear.forward(&x).kind(), Kind::Half);
             panic!("boom inside autocast");
         })
     }));
     assert!(result.is_err());
-    assert!(!autocast_state(Device::Cpu).unwrap().enabled);
+    assert!(!Autocast::state(Device::Cpu).unwrap().enabled);
     assert_eq!(linear.forward(&x).kind(), Kind::Float);
 }
 
 #[test]
 fn autocast_rejects_non_float_dtype() {
-    let err = AutocastGuard::new(Device::Cpu, true, Kind::Int64).unwrap_err();
+    let err = Autocast::new(Device::Cpu).dtype(Kind::Int64).enter().unwrap_err();
     assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "dtype", .. })), "{err}");
-    assert!(!autocast_state(Device::Cpu).unwrap().enabled);
+    assert!(!Autocast::state(Device::Cpu).unwrap().enabled);
 }
 
 #[test]

@@ -137,7 +137,7 @@ fn train_step(vs: &VarStore, opt: &mut Fp16Optimizer, fx: &Fixture, case: &Value
         opt.backward(&forward_with(vs, &x, &y, kind != "nobias")).unwrap();
     }
     let norm = opt.clip_master_grads(case["max_norm"].as_f64().unwrap()).unwrap();
-    let stepped = opt.step().unwrap();
+    let stepped = opt.step().unwrap().stepped();
     let masters = opt.master_params();
     let v = vs.variables();
     StepRecord {
@@ -286,7 +286,7 @@ fn fp16_optimizer_bad_calls_are_typed_and_change_nothing() {
     assert!(matches!(opt.step(), Err(AmpError::Usage(UsageError::CallOrder { .. }))));
     assert!(unchanged(&opt));
     opt.update_master_grads().unwrap();
-    assert!(opt.step().unwrap());
+    assert!(opt.step().unwrap().stepped());
     // a second step without a new backward
     assert!(matches!(opt.step(), Err(AmpError::Usage(UsageError::NoGradients))));
     // a loss that is not a scalar, or has no graph
@@ -626,7 +626,7 @@ fn fp16_optimizer_orders_by_param_group_then_creation() {
     let v = vs.variables();
     let loss = v["w"].sum(Kind::Float) + v["z_first_made"].sum(Kind::Float) + extra.sum(Kind::Float);
     opt.backward(&loss).unwrap();
-    assert!(opt.step().unwrap());
+    assert!(opt.step().unwrap().stepped());
     assert_eq!(v["w"].double_value(&[0]), 0.5);
     assert_eq!(v["z_first_made"].double_value(&[0]), 0.75);
     assert_eq!(extra.double_value(&[0]), 0.75);

@@ -374,3 +374,53 @@ fn groups_select_by_name_and_variable() {
         assert_eq!(opt.hyper_parameters_group(ids[1]).unwrap().get("weight_decay").unwrap(), 0.0);
     }
 }
+
+/// A rule that records the order it is handed each group's parameters in.
+#[derive(Debug, Default)]
+struct OrderSpy(std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>);
+
+impl UpdateRule for OrderSpy {
+    fn kind(&self) -> &str {
+        "order_spy"
+    }
+    fn defaults(&self) -> HyperParams {
+        HyperParams::new()
+    }
+    fn state_spec(&self, _: &HyperParams) -> Vec<StateSpec> {
+        Vec::new()
+    }
+    fn step(&self, groups: &mut [GroupView<'_>]) -> tch_amp::Result<()> {
+        let seen = groups.iter().map(|g| g.params().iter().map(|p| p.name().to_string()).collect()).collect();
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = seen;
+        Ok(())
+    }
+}
+
+/// A rule sees each group's parameters in torch's order: the model's creation order with each
+/// weight before its bias (how torch.optim and Apex iterate a group built from
+/// `model.parameters()`, which LAMB's global gradient norm sums in), not the VarStore-name order
+/// of `param_names()`.
+#[test]
+fn rules_see_each_group_in_creation_order_weight_before_bias() {
+    let vs = VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let _z = nn::linear(&root / "z_first", 2, 2, Default::default());
+    let _a = nn::linear(&root / "a_second", 2, 2, Default::default());
+    let _m = nn::layer_norm(&root / "m_third", vec![2], Default::default());
+    let mut amp = Amp::new(&AmpConfig::new(OptLevel::O0).verbosity(0)).unwrap();
+    let groups = [ParamGroup::matching(|n| n.ends_with("weight")), ParamGroup::rest()];
+    let seen = std::sync::Arc::default();
+    let mut opt = amp.optimizer_with_rule(&vs, OrderSpy(std::sync::Arc::clone(&seen)), 0.1, &groups).unwrap();
+    assert_eq!(opt.group_param_names(0), ["a_second.weight", "m_third.weight", "z_first.weight"]);
+    let loss = vs.trainable_variables().iter().map(|t| t.sum(Kind::Float)).fold(Tensor::from(0f32), |a, b| a + b);
+    amp.scale_loss(&loss, &mut [&mut opt], |l| l.backward()).unwrap();
+    opt.step().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        [
+            vec!["z_first.weight", "a_second.weight", "m_third.weight"],
+            vec!["z_first.bias", "a_second.bias", "m_third.bias"]
+        ]
+    );
+}

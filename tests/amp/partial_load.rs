@@ -201,7 +201,7 @@ fn optimizer_state_strict_and_not() {
     let (path, original) = saved(&dir);
     let mut r = setup(true);
     match load_optimizer_state(&path, &mut [&mut r.opt], true) {
-        Err(AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, what })) => {
+        Err(AmpError::State(StateError::IncompatibleKeys { missing_keys, unexpected_keys, what, .. })) => {
             assert_eq!((missing_keys, unexpected_keys), (vec!["extra.w".to_string()], vec![]));
             assert_eq!(what, "optimizer 0 state");
         }

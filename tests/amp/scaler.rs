@@ -25,6 +25,25 @@ fn clean(s: &mut LossScaler, n: u64) {
     }
 }
 
+/// `init_loss_scale` (BERT's `amp._amp_state.loss_scalers[0]._loss_scale = args.init_loss_scale`):
+/// every dynamic scaler starts there; refused with a static scale or outside [min, max].
+#[test]
+fn init_loss_scale_sets_the_dynamic_start() {
+    assert_eq!(scaler(o2().init_loss_scale(1024.0)).loss_scale(), 1024.0);
+    let amp = Amp::new(&o2().num_losses(2).init_loss_scale(2f64.powi(20))).unwrap();
+    assert_eq!((amp.loss_scale(0).unwrap(), amp.loss_scale(1).unwrap()), (2f64.powi(20), 2f64.powi(20)));
+    for bad in [
+        o2().loss_scale(128.0).init_loss_scale(1024.0),
+        o2().max_loss_scale(512.0).init_loss_scale(1024.0),
+        o2().min_loss_scale(2048.0).init_loss_scale(1024.0),
+        o2().init_loss_scale(0.0),
+        o2().init_loss_scale(f64::NAN),
+    ] {
+        let e = bad.build().unwrap_err();
+        assert!(e.to_string().contains("init_loss_scale"), "{e}");
+    }
+}
+
 #[test]
 fn initial_scale_is_2_pow_16_capped_by_max() {
     assert_eq!(LossScaler::INITIAL_DYNAMIC_SCALE, 65536.0);

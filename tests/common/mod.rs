@@ -6,7 +6,8 @@ pub mod reference;
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CastSettings;
-use tch_amp::cast::{install_policy, ActivePolicyGuard, PolicyHandle};
+use tch_amp::cast::{install_policy, PolicyHandle};
+use tch_amp::AutocastScope;
 use tch_amp::CastPolicy;
 
 /// Element-wise exact equality (same shape, same dtype, same bits for finite values).
@@ -75,7 +76,7 @@ pub fn apex_with(settings: CastSettings) -> PolicyHandle {
     install_policy(CastPolicy::apex(), settings).unwrap()
 }
 
-pub fn on_cpu(handle: &PolicyHandle) -> ActivePolicyGuard {
+pub fn on_cpu(handle: &PolicyHandle) -> AutocastScope {
     handle.activate(Device::Cpu).unwrap()
 }
 

@@ -5,5 +5,6 @@
 mod common;
 
 mod amp;
+mod float8;
 mod o1;
 mod torch_amp;

@@ -5,8 +5,8 @@
 use crate::common::*;
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
+use tch_amp::cast::classify_torch_error;
 use tch_amp::cast::CastSettings;
-use tch_amp::cast::{classify_torch_error, AutocastGuard};
 use tch_amp::error::OpRefused;
 use tch_amp::AmpError;
 
@@ -68,7 +68,7 @@ fn plain_cuda_autocast_on_another_thread_keeps_libtorch_behaviour() {
     let dev = cuda();
     let _handle = apex();
     let kinds = std::thread::spawn(move || {
-        let _autocast = AutocastGuard::new(dev, true, Kind::Half).unwrap();
+        let _autocast = tch_amp::Autocast::new(dev).dtype(Kind::Half).enter().unwrap();
         let x = Tensor::randn([8, 8], (Kind::Float, dev));
         // libtorch's CUDA lists: mm fp16, softmax fp32, einsum fp16 (in no Apex list).
         (

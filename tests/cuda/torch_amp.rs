@@ -3,7 +3,8 @@
 //! the growth tracker kept on the GPU.
 use tch::nn::{self, Module, OptimizerConfig, VarStore};
 use tch::{Device, Kind, Tensor};
-use tch_amp::torch_amp::{Autocast, GradScalerOptions};
+use tch_amp::torch_amp::GradScalerOptions;
+use tch_amp::Autocast;
 use tch_amp::{autocast, GradScaler};
 
 fn cuda() -> Device {

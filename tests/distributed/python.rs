@@ -18,8 +18,8 @@ use std::process::Command;
 use tch::nn::{self, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::distributed::{DdpOptions, DistributedDataParallel, InitOptions, ProcessGroup};
-use tch_amp::torch_amp::Autocast;
 use tch_amp::torch_amp::GradScalerOptions;
+use tch_amp::Autocast;
 use tch_amp::{initialize, AmpConfig, CpuKernels, GradScaler, OptLevel};
 
 use crate::support::{free_port, global_rng_lock, Peer, PEER_DEADLINE, TIMEOUT};

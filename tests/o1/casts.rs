@@ -9,7 +9,7 @@ use crate::common::*;
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Reduction, Tensor};
 use tch_amp::cast::CastSettings;
-use tch_amp::cast::{classify_torch_error, install_policy, AutocastGuard};
+use tch_amp::cast::{classify_torch_error, install_policy};
 use tch_amp::diagnostics::policy_active;
 use tch_amp::{disable_casts, without_casts, AmpError, CastPolicy};
 
@@ -250,7 +250,7 @@ fn activation_is_restored_on_panic() {
     }));
     assert!(caught.is_err());
     assert!(!policy_active().unwrap());
-    assert!(!tch_amp::cast::autocast_state(Device::Cpu).unwrap().enabled);
+    assert!(!tch_amp::Autocast::state(Device::Cpu).unwrap().enabled);
     assert_eq!(x.mm(&x).kind(), Kind::Float);
 }
 
@@ -367,7 +367,11 @@ fn a_policy_and_plain_autocast_on_two_threads_are_independent() {
         kinds
     });
     let plain_thread = std::thread::spawn(move || {
-        let _autocast = AutocastGuard::new(Device::Cpu, true, Kind::BFloat16).unwrap();
+        let _autocast = tch_amp::Autocast::new(Device::Cpu)
+            .dtype(Kind::BFloat16)
+            .cpu_kernels(tch_amp::CpuKernels::Native)
+            .enter()
+            .unwrap();
         barrier.wait();
         let mut kinds = Vec::new();
         for _ in 0..50 {
@@ -402,7 +406,11 @@ fn torch_native_policy_behaves_like_libtorch_cpu_autocast() {
     };
     let ours = handle.run(Device::Cpu, || run(&x)).unwrap();
     let plain = {
-        let _autocast = AutocastGuard::new(Device::Cpu, true, Kind::BFloat16).unwrap();
+        let _autocast = tch_amp::Autocast::new(Device::Cpu)
+            .dtype(Kind::BFloat16)
+            .cpu_kernels(tch_amp::CpuKernels::Native)
+            .enter()
+            .unwrap();
         run(&x)
     };
     assert_eq!(ours, plain);

@@ -10,7 +10,7 @@ use crate::common::*;
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::{install_policy, CastSettings, PolicyHandle};
 use tch_amp::diagnostics::{cpu_memory, emulated_op_count, track_cpu_memory};
-use tch_amp::torch_amp::Autocast;
+use tch_amp::Autocast;
 use tch_amp::{CastPolicy, CpuKernels, OpClass};
 
 fn emulation_only(settings: CastSettings) -> PolicyHandle {

@@ -6,7 +6,7 @@ use crate::common::*;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Reduction, Tensor};
 use tch_amp::cast::CastSettings;
-use tch_amp::cast::{install_policy, AutocastGuard, Cast, CastLists};
+use tch_amp::cast::{install_policy, Cast, CastLists};
 use tch_amp::diagnostics::{aten_overloads, emulated_ops, kernels_registered, libtorch_autocast_ops};
 use tch_amp::error::ConfigError;
 use tch_amp::{AmpError, CastPolicy};
@@ -208,7 +208,11 @@ fn each_apex_mapping_is_the_op_the_autocast_key_sees() {
 
 /// libtorch CPU autocast's visible behaviour: a few ops' output dtypes and an exact linear.
 fn plain_cpu_autocast(x: &Tensor, linear: &nn::Linear) -> (Vec<Kind>, Vec<f32>) {
-    let _autocast = AutocastGuard::new(Device::Cpu, true, Kind::BFloat16).unwrap();
+    let _autocast = tch_amp::Autocast::new(Device::Cpu)
+        .dtype(Kind::BFloat16)
+        .cpu_kernels(tch_amp::CpuKernels::Native)
+        .enter()
+        .unwrap();
     let xb = x.to_kind(Kind::BFloat16);
     let y = linear.forward(x);
     let kinds = vec![

@@ -7,8 +7,8 @@ use std::thread;
 
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, Tensor};
-use tch_amp::cast::AutocastGuard;
 use tch_amp::{Amp, AmpConfig, OptLevel};
+use tch_amp::{Autocast, CpuKernels};
 
 use crate::common::{batch, deterministic_init, same, Mlp};
 
@@ -30,7 +30,7 @@ fn o1_step() -> (Tensor, Tensor) {
 /// What a thread without tch-amp computes: libtorch's own CPU autocast (bf16) and plain ops.
 fn plain_ops(linear: &nn::Linear, x: &Tensor) -> Vec<Tensor> {
     let autocast = {
-        let _on = AutocastGuard::new(Device::Cpu, true, Kind::BFloat16).unwrap();
+        let _on = Autocast::new(Device::Cpu).dtype(Kind::BFloat16).cpu_kernels(CpuKernels::Native).enter().unwrap();
         let y = linear.forward(x);
         vec![y.shallow_clone(), y.softmax(-1, None::<Kind>), x.mm(&x.tr())]
     };

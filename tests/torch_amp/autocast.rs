@@ -3,9 +3,9 @@
 //! on the same thread (either way round). On the CPU its GEMMs and convolutions may be emulated
 //! (`CpuKernels`): cast as libtorch casts them, computed in fp32, rounded once.
 use tch::{Device, Kind, Tensor};
-use tch_amp::cast::autocast_state;
+use tch_amp::error::ConfigError;
 use tch_amp::error::UsageError;
-use tch_amp::torch_amp::{Autocast, TorchAmpError};
+use tch_amp::Autocast;
 use tch_amp::{diagnostics, AmpConfig, AmpError, CpuKernels, OptLevel};
 
 fn mm_kind() -> Kind {
@@ -16,7 +16,7 @@ fn mm_kind() -> Kind {
 #[test]
 fn defaults_nesting_and_restoring() {
     assert_eq!(mm_kind(), Kind::Float);
-    let before = autocast_state(Device::Cpu).unwrap();
+    let before = Autocast::state(Device::Cpu).unwrap();
     tch_amp::autocast(Device::Cpu, || {
         assert_eq!(mm_kind(), Kind::BFloat16, "CPU's default dtype is bf16");
         Autocast::new(Device::Cpu)
@@ -32,14 +32,14 @@ fn defaults_nesting_and_restoring() {
         assert_eq!(mm_kind(), Kind::BFloat16);
     })
     .unwrap();
-    assert_eq!(autocast_state(Device::Cpu).unwrap(), before);
+    assert_eq!(Autocast::state(Device::Cpu).unwrap(), before);
     assert_eq!(mm_kind(), Kind::Float);
     // A panic inside restores everything.
     let caught = std::panic::catch_unwind(|| {
         tch_amp::autocast(Device::Cpu, || -> i32 { panic!("inside autocast") }).unwrap();
     });
     assert!(caught.is_err());
-    assert_eq!(autocast_state(Device::Cpu).unwrap(), before);
+    assert_eq!(Autocast::state(Device::Cpu).unwrap(), before);
     assert_eq!(mm_kind(), Kind::Float);
     // A guard, and cache_enabled.
     {
@@ -55,7 +55,7 @@ fn defaults_nesting_and_restoring() {
 #[test]
 fn bad_dtype_is_refused() {
     let e = Autocast::new(Device::Cpu).dtype(Kind::Double).enter().unwrap_err();
-    assert!(matches!(e, TorchAmpError::InvalidOption { option: "dtype", .. }), "{e}");
+    assert!(matches!(e, AmpError::Config(ConfigError::InvalidOption { option: "dtype", .. })), "{e}");
     assert_eq!(mm_kind(), Kind::Float);
 }
 
@@ -65,7 +65,7 @@ fn cuda_autocast_without_cuda_is_disabled() {
         return;
     }
     let _scope = Autocast::new(Device::Cuda(0)).enter().unwrap();
-    assert!(!autocast_state(Device::Cuda(0)).unwrap().enabled);
+    assert!(!Autocast::state(Device::Cuda(0)).unwrap().enabled);
 }
 
 #[test]
@@ -74,12 +74,18 @@ fn apex_policy_and_torch_autocast_exclude_each_other_on_a_thread() {
         // Apex O1 active: torch autocast refused.
         let amp = tch_amp::Amp::new(&AmpConfig::new(OptLevel::O1).verbosity(0)).unwrap();
         let e = tch_amp::autocast(Device::Cpu, || ()).unwrap_err();
-        assert!(matches!(e, TorchAmpError::AutocastConflict { .. }), "{e}");
+        assert!(
+            matches!(e, AmpError::Usage(UsageError::AutocastConflict { entering: "torch.amp autocast", .. })),
+            "{e}"
+        );
         drop(amp);
         // torch autocast active: the Apex policy refused.
         tch_amp::autocast(Device::Cpu, || {
             let e = tch_amp::Amp::new(&AmpConfig::new(OptLevel::O1).verbosity(0)).unwrap_err();
-            assert!(matches!(e, AmpError::Usage(UsageError::TorchAutocastActive)), "{e}");
+            assert!(
+                matches!(e, AmpError::Usage(UsageError::AutocastConflict { active: "torch.amp autocast", .. })),
+                "{e}"
+            );
         })
         .unwrap();
         // Afterwards both work again.
@@ -184,4 +190,31 @@ fn cpu_kernels_nest_per_scope_and_thread() {
     let (again, ops) =
         counting(bf16, || Autocast::new(Device::Cpu).cpu_kernels(CpuKernels::Native).run(|| conv_t(&x, &w)).unwrap());
     assert_eq!((differing(&again, &native), ops), (0, 0));
+}
+
+/// torch's `custom_fwd(cast_inputs=torch.float32)`: inside autocast the region runs in fp32 on
+/// fp32 copies of its floating inputs, integer inputs untouched; outside it runs as it is.
+#[test]
+fn fp32_region_is_torchs_custom_fwd_to_fp32() {
+    let x = det(&[3, 4], 0.1);
+    let idx = Tensor::from_slice(&[2i64, 0]);
+    let inside = tch_amp::autocast(Device::Cpu, || {
+        let h = x.mm(&x.tr());
+        assert_eq!(h.kind(), Kind::BFloat16);
+        let r = tch_amp::fp32_region(Device::Cpu, &[&h, &idx], |t| {
+            assert!(!Autocast::state(Device::Cpu).unwrap().enabled);
+            (t[0].kind(), t[1].kind(), t[0].mm(&t[0]).kind(), t[0].index_select(0, &t[1]))
+        })
+        .unwrap();
+        assert!(Autocast::state(Device::Cpu).unwrap().enabled, "autocast comes back after the region");
+        (h, r)
+    })
+    .unwrap();
+    let (h, (k0, k1, mm, picked)) = inside;
+    assert_eq!((k0, k1, mm), (Kind::Float, Kind::Int64, Kind::Float));
+    assert_eq!(differing(&picked, &h.to_kind(Kind::Float).index_select(0, &idx)), 0);
+    // Outside autocast the inputs are passed as they are.
+    let half = x.to_kind(Kind::Half);
+    let kind = tch_amp::fp32_region(Device::Cpu, &[&half], |t| t[0].kind()).unwrap();
+    assert_eq!(kind, Kind::Half);
 }

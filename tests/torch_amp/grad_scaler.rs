@@ -3,9 +3,11 @@
 //! errors, each leaving the scaler as it was.
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_amp::torch_amp::{GradScalerOptions, ScalerStep, TorchAmpError};
+use tch_amp::error::{ConfigError, StateError, UsageError};
+use tch_amp::torch_amp::GradScalerOptions;
 use tch_amp::torch_io::{Dict, Value};
 use tch_amp::GradScaler;
+use tch_amp::{AmpError, StepOutcome};
 
 use crate::common::{batch, deterministic_init};
 use crate::support::{mlp, poisoned, torch_reference, Rows};
@@ -50,7 +52,7 @@ fn fp32_loop_matches_torch_bit_for_bit() {
         scaler.scale(&loss).unwrap().backward();
         let outcome = scaler.step(&mut opt).unwrap();
         scaler.update().unwrap();
-        assert_eq!(outcome == ScalerStep::Skipped, step == 3 || step == 7, "step {step}");
+        assert_eq!(!outcome.stepped(), step == 3 || step == 7, "step {step}");
         rows.push("loss", &loss);
         rows.push("scale", scaler.scale_tensor().unwrap());
         rows.push("tracker", &Tensor::from(scaler.growth_tracker() as i32));
@@ -116,11 +118,15 @@ fn state_dict_round_trips_through_torch_save_files() {
 /// A user's optimizer: plain SGD with lr 1 over its tensors.
 struct Plain(Vec<Tensor>);
 
-impl tch_amp::torch_amp::ScalerOptimizer for Plain {
+impl tch_amp::optim::Optimizer for Plain {
     fn params(&self) -> Vec<Tensor> {
         self.0.iter().map(Tensor::shallow_clone).collect()
     }
-    fn step(&mut self) -> tch_amp::torch_amp::Result<()> {
+    fn zero_grad(&mut self) -> tch_amp::Result<()> {
+        self.0.iter().for_each(|p| p.shallow_clone().zero_grad());
+        Ok(())
+    }
+    fn step(&mut self) -> tch_amp::Result<()> {
         let _g = tch::no_grad_guard();
         for p in &self.0 {
             let _ = p.shallow_clone().f_sub_(&p.grad())?;
@@ -133,45 +139,52 @@ fn scaled_backward(scaler: &mut GradScaler, p: &Tensor) {
     scaler.scale(&(p * 3.0).sum(None)).unwrap().backward();
 }
 
+/// Whether `r` is the call-order error for `call` whose `when` says `when`.
+fn call_order<T>(r: Result<T, AmpError>, call: &str, when: &str) -> bool {
+    matches!(r, Err(AmpError::Usage(UsageError::CallOrder { call: c, when: w, .. })) if c == call && w.contains(when))
+}
+
 #[test]
 fn protocol_errors_are_torchs_and_change_nothing() {
     let p = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let mut opt = Plain(vec![p.shallow_clone()]);
     let mut scaler = GradScaler::new(Device::Cpu);
-    assert!(matches!(scaler.unscale_(&opt), Err(TorchAmpError::ScaleNotInitialized { call: "unscale_" })));
-    assert!(matches!(scaler.step(&mut opt), Err(TorchAmpError::ScaleNotInitialized { .. })));
-    assert!(matches!(scaler.update(), Err(TorchAmpError::ScaleNotInitialized { .. })));
+    assert!(call_order(scaler.unscale_(&opt), "unscale_()", "before the scale is initialized"));
+    assert!(call_order(scaler.step(&mut opt), "step()", "before the scale is initialized"));
+    assert!(call_order(scaler.update(), "update()", "before the scale is initialized"));
     scaled_backward(&mut scaler, &p);
-    assert!(matches!(scaler.update(), Err(TorchAmpError::NoInfChecks)));
+    assert!(call_order(scaler.update(), "update()", "no inf checks recorded"));
     scaler.unscale_(&opt).unwrap();
     assert_eq!(Vec::<f32>::try_from(p.grad()).unwrap(), [3.0, 3.0]);
-    assert!(matches!(scaler.unscale_(&opt), Err(TorchAmpError::UnscaleTwice)));
+    assert!(call_order(scaler.unscale_(&opt), "unscale_()", "twice"));
     assert_eq!(Vec::<f32>::try_from(p.grad()).unwrap(), [3.0, 3.0], "the second unscale_ changed nothing");
-    assert_eq!(scaler.step(&mut opt).unwrap(), ScalerStep::Stepped);
+    assert_eq!(scaler.step(&mut opt).unwrap(), StepOutcome::Stepped);
     assert_eq!(Vec::<f32>::try_from(&p).unwrap(), [-2.0, -2.0]);
-    assert!(matches!(scaler.unscale_(&opt), Err(TorchAmpError::UnscaleAfterStep)));
-    assert!(matches!(scaler.step(&mut opt), Err(TorchAmpError::StepTwice)));
+    assert!(call_order(scaler.unscale_(&opt), "unscale_()", "after step()"));
+    assert!(call_order(scaler.step(&mut opt), "step()", "twice"));
     scaler.update().unwrap();
     // No gradient at all: torch's "No inf checks were recorded for this optimizer."
     let q = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let mut empty = Plain(vec![q]);
-    assert!(matches!(scaler.step(&mut empty), Err(TorchAmpError::NoInfChecksForOptimizer)));
+    assert!(call_order(scaler.step(&mut empty), "scaler.step()", "no gradient"));
     // fp16 gradients are refused before anything is unscaled.
     let h = Tensor::ones([2], (Kind::Half, Device::Cpu)).set_requires_grad(true);
     let mut opt16 = Plain(vec![p.shallow_clone(), h.shallow_clone()]);
     let _ = p.grad().zero_();
     scaler.scale(&((&p * 3.0).sum(None) + h.to_kind(Kind::Float).sum(None))).unwrap().backward();
     let e = scaler.unscale_(&opt16).unwrap_err();
-    assert!(matches!(e, TorchAmpError::UnscaleFp16Gradients { index: 1 }), "{e}");
+    assert!(matches!(e, AmpError::Usage(UsageError::UnscaleFp16Gradients { index: 1 })), "{e}");
     assert!(e.to_string().starts_with("Attempting to unscale FP16 gradients"));
     assert_eq!(Vec::<f32>::try_from(p.grad()).unwrap(), [3.0 * 65536.0; 2]);
-    assert!(matches!(scaler.step(&mut opt16), Err(TorchAmpError::UnscaleFp16Gradients { .. })));
+    assert!(matches!(scaler.step(&mut opt16), Err(AmpError::Usage(UsageError::UnscaleFp16Gradients { .. }))));
     // Scaling an integer tensor.
     let ints = Tensor::from_slice(&[1i64, 2]);
-    assert!(matches!(scaler.scale(&ints), Err(TorchAmpError::NotFloatingPoint { dtype: Kind::Int64 })));
+    let e = scaler.scale(&ints).unwrap_err();
+    assert!(matches!(&e, AmpError::Usage(UsageError::BadLoss { call: "GradScaler::scale", .. })), "{e}");
+    assert!(e.to_string().contains("Int64"), "{e}");
     // update_to: a scale of 0 or inf is refused, a good one is set.
     for bad in [0.0, f64::INFINITY, f64::NAN, -1.0] {
-        assert!(matches!(scaler.update_to(bad), Err(TorchAmpError::InvalidOption { .. })));
+        assert!(matches!(scaler.update_to(bad), Err(AmpError::Config(ConfigError::InvalidOption { .. }))));
     }
     assert_eq!(scaler.get_scale(), 65536.0);
     scaler.update_to(3.0).unwrap();
@@ -189,7 +202,13 @@ fn bad_options_and_setters_are_refused() {
         GradScalerOptions::default().growth_interval(0),
     ];
     for o in bad {
-        assert!(matches!(GradScaler::with_options(Device::Cpu, o), Err(TorchAmpError::InvalidOption { .. })), "{o:?}");
+        assert!(
+            matches!(
+                GradScaler::with_options(Device::Cpu, o),
+                Err(AmpError::Config(ConfigError::InvalidOption { .. }))
+            ),
+            "{o:?}"
+        );
     }
     let mut s = GradScaler::new(Device::Cpu);
     assert!(s.set_growth_factor(0.5).is_err());
@@ -235,12 +254,13 @@ fn bad_state_dicts_are_refused_and_change_nothing() {
     }
     for case in &cases {
         let e = s.load_state_dict(case).unwrap_err();
-        assert!(matches!(e, TorchAmpError::StateDict { .. }), "{case:?}: {e}");
+        assert!(matches!(e, AmpError::State(StateError::StateMismatch { .. })), "{case:?}: {e}");
         assert_eq!((s.get_scale(), s.growth_tracker(), s.get_growth_interval()), (65536.0, 0, 2000), "{case:?}");
     }
     s.load_state_dict(&Value::Dict(good_state())).unwrap();
     assert_eq!((s.get_scale(), s.growth_tracker(), s.get_growth_interval()), (8.0, 4, 10));
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     let keys: Vec<String> = d.keys().map(|k| k.to_string()).collect();
     assert_eq!(
         keys,
@@ -259,12 +279,13 @@ fn a_disabled_scaler_passes_everything_through() {
     assert!(scaled.equal(&loss));
     scaled.backward();
     s.unscale_(&opt).unwrap();
-    assert_eq!(s.step(&mut opt).unwrap(), ScalerStep::Stepped);
-    assert_eq!(s.step(&mut opt).unwrap(), ScalerStep::Stepped);
+    assert_eq!(s.step(&mut opt).unwrap(), StepOutcome::Stepped);
+    assert_eq!(s.step(&mut opt).unwrap(), StepOutcome::Stepped);
     s.update().unwrap();
     s.update_to(0.0).unwrap();
     assert_eq!(s.get_scale(), 1.0);
-    let Value::Dict(d) = s.state_dict() else { panic!() };
+    let state = s.state_dict();
+    let Value::Dict(d) = &state else { panic!() };
     assert!(d.is_empty());
     s.load_state_dict(&Value::Int(0)).unwrap();
     // A CUDA scaler without CUDA disables itself, as torch's.

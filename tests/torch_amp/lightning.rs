@@ -1,6 +1,8 @@
 //! Lightning's precision flags, 2.x names and 1.x `precision` / `amp_backend` / `amp_level`.
 use tch::Kind;
-use tch_amp::torch_amp::{Precision, TorchAmpError};
+use tch_amp::error::ConfigError;
+use tch_amp::torch_amp::Precision;
+use tch_amp::AmpError;
 use tch_amp::OptLevel;
 
 #[test]
@@ -10,9 +12,9 @@ fn lightning_2_flags() {
         ("32-true", Precision::Fp32),
         ("16-mixed", mixed(Kind::Half, true)),
         ("bf16-mixed", mixed(Kind::BFloat16, false)),
-        ("16-true", Precision::True { dtype: Kind::Half }),
-        ("bf16-true", Precision::True { dtype: Kind::BFloat16 }),
-        ("64-true", Precision::True { dtype: Kind::Double }),
+        ("16-true", Precision::Pure { dtype: Kind::Half }),
+        ("bf16-true", Precision::Pure { dtype: Kind::BFloat16 }),
+        ("64-true", Precision::Pure { dtype: Kind::Double }),
         ("16", mixed(Kind::Half, true)),
         ("bf16", mixed(Kind::BFloat16, false)),
         ("32", Precision::Fp32),
@@ -24,7 +26,7 @@ fn lightning_2_flags() {
     assert_eq!(Precision::parse("bf16-mixed").unwrap().autocast_dtype(), Some(Kind::BFloat16));
     assert_eq!(Precision::parse("16-true").unwrap().autocast_dtype(), None);
     for bad in ["fp16", "16-MIXED", "", "8-true", "transformer-engine", "32-mixed"] {
-        assert!(matches!(Precision::parse(bad), Err(TorchAmpError::Precision { .. })), "{bad}");
+        assert!(matches!(Precision::parse(bad), Err(AmpError::Config(ConfigError::InvalidOption { .. }))), "{bad}");
     }
 }
 
@@ -50,6 +52,6 @@ fn lightning_1_flags() {
         ("8", "native", None),        // unknown precision
     ] {
         let e = Precision::parse_v1(p, backend, level).unwrap_err();
-        assert!(matches!(e, TorchAmpError::Precision { .. }), "{p} {backend} {level:?}: {e}");
+        assert!(matches!(e, AmpError::Config(ConfigError::InvalidOption { .. })), "{p} {backend} {level:?}: {e}");
     }
 }

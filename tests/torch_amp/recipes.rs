@@ -7,8 +7,8 @@
 //! script with `F.linear` emulated in Python.
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_amp::torch_amp::{clip_grad_norm_, Autocast, GradScalerOptions};
-use tch_amp::{diagnostics, Amp, AmpConfig, CpuKernels, GradScaler, OptLevel};
+use tch_amp::torch_amp::{clip_grad_norm_, GradScalerOptions};
+use tch_amp::{diagnostics, Amp, AmpConfig, Autocast, CpuKernels, GradScaler, OptLevel};
 
 use crate::common::{batch, deterministic_init};
 use crate::support::{mlp, poisoned, torch_reference, Rows};

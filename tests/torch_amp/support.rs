@@ -50,7 +50,7 @@ pub fn torch_reference(body: &str, arg: &str) -> BTreeMap<String, Tensor> {
     let run = Command::new(python()).arg(&script).arg(&out).arg(arg).output().expect("starting python");
     assert!(run.status.success(), "the torch script failed:\n{}", String::from_utf8_lossy(&run.stderr));
     let value = torch_io::load(&out).expect("reading the torch.save file");
-    let Value::Dict(d) = value else { panic!("expected a dict") };
+    let Value::Dict(d) = &value else { panic!("expected a dict") };
     d.iter()
         .map(|(k, v)| match v {
             Value::Tensor(t) => (k.to_string().trim_matches('"').to_string(), t.shallow_clone()),

@@ -2,16 +2,15 @@
 //! variables, skips a step after an overflow, clips on the master gradients.
 //!
 //! An adaptor around an [`UpdateRule`] (run by `engine`), split by job: the user's API and the
-//! per-step [`Stage`] here; the hooks `scale_loss` calls in `protocol`; O2's master gradients
-//! in `masters`; what it saves and restores in `records`.
+//! per-step [`Stage`] here; the hooks `scale_loss` calls (and O2's master gradients) in
+//! `protocol`; what it saves and restores in `records`.
 use crate::error::{ConfigError, UsageError};
-use std::sync::{Mutex, MutexGuard};
 
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use super::engine::Optimizer;
-use super::grads::{clear_grad, total_norm};
+use super::engine::Engine;
+use super::grads::{clear_grad, clip_grads, NonFiniteNorm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::rule::{HyperParams, UpdateRule};
@@ -19,13 +18,12 @@ use super::rules::OptimizerConfig;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::scaling::OverflowReport;
 
-mod masters;
 mod protocol;
 mod records;
 
-use masters::HalfGrads;
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
+pub(crate) use records::ParamLayout;
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,23 +75,23 @@ impl MemoryReport {
     }
 }
 
-/// A parameter's gradient as it stands: its master's, or the model's fp16 one while O2's
-/// slice-wise step has not made the master's yet (see [`HalfGrads`]).
-fn latest_grad(e: &ParamEntry) -> Tensor {
-    let g = e.update_target().grad();
-    if !g.defined() && e.master().is_some() {
-        e.model().grad()
-    } else {
-        g
-    }
-}
-
 fn bytes(t: &Tensor) -> usize {
     if t.defined() {
         t.numel() * t.kind().elt_size_in_bytes()
     } else {
         0
     }
+}
+
+/// The entries' indices in torch's order: the model's creation order with each module's weight
+/// before its bias (see [`crate::optim::torch_param_order`]).
+fn torch_order(entries: &[ParamEntry]) -> Vec<usize> {
+    let mut by_creation: Vec<(usize, &str)> = entries.iter().map(|e| (e.order(), e.name())).collect();
+    by_creation.sort_by_key(|&(order, name)| (order, name.to_string()));
+    let names = super::params::torch_param_order(by_creation.iter().map(|(_, n)| n.to_string()).collect());
+    let index: std::collections::HashMap<&str, usize> =
+        entries.iter().enumerate().map(|(i, e)| (e.name(), i)).collect();
+    names.iter().filter_map(|n| index.get(n.as_str()).copied()).collect()
 }
 
 /// Where an optimizer stands in the per-step order `zero_grad` -> `scale_loss` (one pass or
@@ -106,15 +104,35 @@ enum Stage {
     Ready,
     /// A `delay_unscale` pass left the gradients scaled.
     Scaled,
-    /// A pass unscaled the gradients. Under O2 the model's fp16 gradients may still wait for
-    /// `step` (`half`, see [`HalfGrads`], which records them as the pass left them).
-    Unscaled { half: Option<HalfGrads> },
+    /// A pass unscaled the gradients (under O2 into the fp32 master gradients).
+    Unscaled,
     /// A pass overflowed: the next `step` skips (later passes do not change that).
     Overflowed(PendingSkip),
     /// The gradients vanished with the scale at its floor: the next `step` reports it.
     Vanished(CollapseInfo),
     /// `step` ran: a `scale_loss` pass must come before the next `step` or clip.
     Stepped,
+}
+
+/// Which front door drives an optimizer, so that its errors speak that API's words: Apex's
+/// `scale_loss` (the default, and after every `scale_loss`), or torch.amp's `GradScaler` (after
+/// `scaler.step(&mut opt)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum FrontDoor {
+    #[default]
+    Apex,
+    TorchAmp,
+}
+
+/// A call-order error in the words of `door`: (when, remedy) for Apex's and torch.amp's.
+fn call_order(
+    door: FrontDoor,
+    call: &'static str,
+    apex: (&'static str, &'static str),
+    torch_amp: (&'static str, &'static str),
+) -> AmpError {
+    let (when, remedy) = if door == FrontDoor::TorchAmp { torch_amp } else { apex };
+    AmpError::Usage(UsageError::CallOrder { call, when, remedy })
 }
 
 /// How an [`crate::Amp`] sets up the optimizers it makes.
@@ -147,19 +165,86 @@ pub(crate) enum Layout {
 #[derive(Debug)]
 pub struct AmpOptimizer {
     setup: OptimizerSetup,
-    inner: Optimizer,
+    inner: Engine,
     entries: Vec<ParamEntry>,
     /// Gradients of self-mastered parameters set aside at `scale_loss` entry (accumulation).
     stash: Vec<Option<Tensor>>,
-    /// Where the optimizer stands in the per-step order; behind a mutex so that
-    /// [`Self::master_params`] (`&self`) can make O2's pending master gradients.
-    stage: Mutex<Stage>,
+    /// Where the optimizer stands in the per-step order.
+    stage: Stage,
     last_overflow: Option<OverflowReport>,
     steps: u64,
     skipped: u64,
+    /// The API that drove the last step, for the words of call-order errors.
+    door: FrontDoor,
+}
+
+impl OptimizerSetup {
+    /// torch.optim without AMP: no `Amp`, no masters, no casts; gradients from a plain backward.
+    const PLAIN: OptimizerSetup = OptimizerSetup {
+        amp_id: 0,
+        disable_casts_in_step: false,
+        fp32_optimizer_state: false,
+        master_weights: false,
+        pass_through: true,
+    };
+}
+
+/// The parameters of `vs` grouped as `groups` select them (empty: one group per tch group),
+/// with fp32 masters of the low-precision ones when `masters`.
+pub(crate) fn layout(vs: &VarStore, groups: &[ParamGroup], masters: bool) -> Result<Layout> {
+    if groups.is_empty() {
+        Ok(Layout::TchGroups(super::params::build_entries(vs, &[], masters)?))
+    } else {
+        Ok(Layout::Groups(resolve(vs, groups, &[], masters)?))
+    }
 }
 
 impl AmpOptimizer {
+    /// torch.optim's optimizer without AMP (`torch.optim.AdamW(params, lr)`, or Apex's
+    /// `FusedLAMB`): `config` over the trainable variables of `vs` that `groups` select (each
+    /// group with `config`'s hyper-parameters and `lr` unless it sets its own; empty `groups`:
+    /// one group per tch group), stepped in their own dtypes, no masters, no casts, gradients
+    /// from a plain `backward`. What a torch.amp loop steps through [`crate::GradScaler`];
+    /// [`crate::Amp::optimizer`] makes the Apex path's, with masters and `scale_loss`.
+    ///
+    /// ```
+    /// use tch::nn::{self, Module, VarStore};
+    /// use tch::{Device, Kind, Tensor};
+    /// use tch_amp::{AmpOptimizer, FusedLamb, GradScaler, ParamGroup};
+    /// # fn main() -> Result<(), tch_amp::AmpError> {
+    /// let vs = VarStore::new(Device::Cpu);
+    /// let net = nn::linear(vs.root() / "fc", 8, 2, Default::default());
+    /// let groups = [ParamGroup::matching(|n| !n.ends_with("bias")).weight_decay(0.01), ParamGroup::rest()];
+    /// let mut opt = AmpOptimizer::new(&vs, FusedLamb::default(), 1e-3, &groups)?;
+    /// let mut scaler = GradScaler::new(Device::Cpu);
+    /// let x = Tensor::ones([4, 8], (Kind::Float, Device::Cpu));
+    /// let loss = tch_amp::autocast(Device::Cpu, || net.forward(&x))?.to_kind(Kind::Float).square().mean(None);
+    /// opt.zero_grad()?;
+    /// scaler.scale(&loss)?.backward();
+    /// assert!(scaler.step(&mut opt)?.stepped());
+    /// scaler.update()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ConfigError::InvalidOption`] for a bad learning rate or setting;
+    /// [`ConfigError::ParamInTwoGroups`], [`ConfigError::UnknownVariable`],
+    /// [`ConfigError::NoVariablesUnder`] for the selections;
+    /// [`ConfigError::UnknownHyperParameter`] for a group's settings.
+    pub fn new(vs: &VarStore, config: impl Into<OptimizerConfig>, lr: f64, groups: &[ParamGroup]) -> Result<Self> {
+        let config = config.into();
+        Self::build(OptimizerSetup::PLAIN, Box::new(config.rule()), Some(config), lr, layout(vs, groups, false)?)
+    }
+
+    /// [`Self::new`] running a user's [`UpdateRule`].
+    ///
+    /// # Errors
+    /// As [`Self::new`]; the rule's [`UpdateRule::validate`] errors.
+    pub fn with_rule(vs: &VarStore, rule: impl UpdateRule + 'static, lr: f64, groups: &[ParamGroup]) -> Result<Self> {
+        Self::build(OptimizerSetup::PLAIN, Box::new(rule), None, lr, layout(vs, groups, false)?)
+    }
+
     /// An optimizer running `rule` (made from `config` for the built-ins) over `layout`.
     pub(crate) fn build(
         setup: OptimizerSetup,
@@ -168,7 +253,7 @@ impl AmpOptimizer {
         lr: f64,
         layout: Layout,
     ) -> Result<Self> {
-        let mut inner = Optimizer::new(rule, config, lr, setup.fp32_optimizer_state)?;
+        let mut inner = Engine::new(rule, config, lr, setup.fp32_optimizer_state)?;
         let defaults = inner.defaults().clone();
         let mut entries = Vec::new();
         match layout {
@@ -201,15 +286,17 @@ impl AmpOptimizer {
             }
         }
         let stash = entries.iter().map(|_| None).collect();
+        inner.set_step_order(torch_order(&entries));
         Ok(Self {
             setup,
             inner,
             entries,
             stash,
-            stage: Mutex::new(Stage::Ready),
+            stage: Stage::Ready,
             last_overflow: None,
             steps: 0,
             skipped: 0,
+            door: FrontDoor::default(),
         })
     }
 
@@ -318,6 +405,7 @@ impl AmpOptimizer {
             self.entries.push(e);
             self.stash.push(None);
         }
+        self.inner.set_step_order(torch_order(&self.entries));
         Ok(id)
     }
 
@@ -351,12 +439,7 @@ impl AmpOptimizer {
     /// The parameters this optimizer updates: the fp32 masters for low-precision model
     /// variables under master weights, the model's own variables otherwise (Apex's
     /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
-    ///
-    /// Between `scale_loss` and `step` under O2 this makes the fp32 master gradients (unscaled)
-    /// from the model's fp16 ones, which `step` would otherwise make a slice at a time (see
-    /// [`Self::memory`]); if that fails (out of memory) the masters are returned without them.
     pub fn master_params(&self) -> Vec<Tensor> {
-        let _ = self.make_master_grads();
         self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
     }
 
@@ -367,12 +450,9 @@ impl AmpOptimizer {
 
     /// Bytes held right now by the weights, masters, gradients and optimizer state.
     ///
-    /// Under O2 the gradients between `scale_loss` and `step` are the model's fp16 ones (2 bytes
-    /// per parameter): `step` unscales each into fp32 a slice of at most 256 Ki elements at a
-    /// time (in storage whose values are spent), updates that slice of the master and rounds it
-    /// into the model, so with Adam the peak is 16 bytes per parameter (2 fp16 weight, 4 master,
-    /// 2 fp16 grad, 8 state) plus the update rule's own temporaries for one slice (none for
-    /// fused Adam; Apex held 20 bytes: it kept fp16 and fp32 gradients).
+    /// Under O2 `scale_loss` makes the fp32 master gradients and releases the model's fp16
+    /// ones, so with Adam the peak is 18 bytes per parameter (2 fp16 weight, 4 master, 4 fp32
+    /// grad, 8 state); Apex held 20: it kept the fp16 gradients too.
     pub fn memory(&self) -> MemoryReport {
         let mut r = MemoryReport::default();
         for (e, st) in self.entries.iter().zip(self.inner.states()) {
@@ -390,19 +470,13 @@ impl AmpOptimizer {
 
     /// Whether the next [`Self::step`] will be skipped (an overflow was seen).
     pub fn will_skip(&self) -> bool {
-        matches!(*self.stage(), Stage::Overflowed(_))
-    }
-
-    /// The stage (a poisoned lock is recovered: the stage is plain data, never left half-set).
-    fn stage(&self) -> MutexGuard<'_, Stage> {
-        self.stage.lock().unwrap_or_else(|e| e.into_inner())
+        matches!(self.stage, Stage::Overflowed(_))
     }
 
     /// Moves to `next`, unless a skip or a collapse is pending: those stay until `step`.
     fn enter(&mut self, next: Stage) {
-        let stage = self.stage.get_mut().unwrap_or_else(|e| e.into_inner());
-        if !matches!(stage, Stage::Overflowed(_) | Stage::Vanished(_)) {
-            *stage = next;
+        if !matches!(self.stage, Stage::Overflowed(_) | Stage::Vanished(_)) {
+            self.stage = next;
         }
     }
 
@@ -452,73 +526,85 @@ impl AmpOptimizer {
         self.step_checked(true)
     }
 
-    /// `model_grads_expected`: fp16 model gradients beside their masters are the caller's, not
-    /// a stray backward.
+    /// `legacy`: fp16 model gradients beside their masters are the caller's (the legacy
+    /// FP16_Optimizer's), not a stray backward.
     fn step_checked(&mut self, legacy: bool) -> Result<StepOutcome> {
-        let stage = std::mem::take(&mut *self.stage());
-        let half = match stage {
-            Stage::Overflowed(skip) => {
-                // Every gradient of this optimizer is dropped: they hold the inf/NaN. (Apex
-                // clears only the masters of fp16 variables, so an fp32 variable's inf survives
-                // into the next pass when the caller accumulates without zero_grad.)
-                self.zero_grad()?;
-                *self.stage() = Stage::Stepped;
-                self.skipped = self.skipped.saturating_add(1);
-                self.last_overflow = Some(skip.report);
-                if let Some(collapse) = skip.collapse {
-                    return Err(collapse.error());
-                }
-                return Ok(StepOutcome::Skipped { loss_id: skip.loss_id, loss_scale: skip.loss_scale });
-            }
+        match std::mem::take(&mut self.stage) {
+            Stage::Overflowed(skip) => return self.skip(skip),
             Stage::Vanished(collapse) => {
-                *self.stage() = Stage::Stepped;
+                self.stage = Stage::Stepped;
                 return Err(collapse.error());
             }
-            Stage::Unscaled { half } => half,
+            Stage::Unscaled => {}
             other => {
-                let refused = match other {
-                    Stage::Scaled => Some(AmpError::Usage(UsageError::CallOrder {
-                        call: "step()",
-                        when: "while the gradients are still scaled (the last scale_loss used delay_unscale)",
-                        remedy: "run a scale_loss without delay_unscale before stepping",
-                    })),
-                    Stage::Stepped if !legacy => Some(AmpError::Usage(UsageError::CallOrder {
-                        call: "step()",
-                        when: "twice with no scale_loss in between",
-                        remedy: "per update: zero_grad(), scale_loss(..), step()",
-                    })),
-                    Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
-                        // O2's fp16 gradients without masters' are named by check_gradients.
-                        self.check_gradients(false)?;
-                        Some(AmpError::Usage(UsageError::CallOrder {
-                            call: "step()",
-                            when: "on gradients no scale_loss produced (a backward outside it)",
-                            remedy: "run backward inside amp.scale_loss(&loss, .., |s| s.backward())",
-                        }))
-                    }
-                    _ => None,
-                };
+                let refused = self.refusal(&other, legacy);
                 if let Some(e) = refused {
-                    *self.stage() = other;
+                    self.stage = other;
                     return Err(e);
                 }
-                None
             }
-        };
-        if let Err(e) =
-            self.check_gradients(half.is_some() || legacy).and_then(|()| self.check_unchanged(half.as_ref()))
-        {
-            *self.stage() = Stage::Unscaled { half };
+        }
+        if let Err(e) = self.check_gradients(legacy) {
+            self.stage = Stage::Unscaled;
             return Err(e);
         }
-        let update = |this: &mut Self| -> Result<()> {
-            // Parameters holding their gradient (fp32 variables, masters whose gradient was
-            // made at once); then the masters whose gradient is still the model's fp16 one.
-            this.inner.step()?;
-            match half {
-                Some(h) => this.step_from_half_grads(&h),
-                None => copy_masters_to_model(&this.entries),
+        self.update()
+    }
+
+    /// A skipped step after an overflow. Every gradient of this optimizer is dropped: they hold
+    /// the inf/NaN. (Apex clears only the masters of fp16 variables, so an fp32 variable's inf
+    /// survives into the next pass when the caller accumulates without zero_grad.)
+    fn skip(&mut self, skip: PendingSkip) -> Result<StepOutcome> {
+        self.zero_grad()?;
+        self.stage = Stage::Stepped;
+        self.skipped = self.skipped.saturating_add(1);
+        self.last_overflow = Some(skip.report);
+        if let Some(collapse) = skip.collapse {
+            return Err(collapse.error());
+        }
+        Ok(StepOutcome::Skipped { loss_id: skip.loss_id, loss_scale: skip.loss_scale })
+    }
+
+    /// Why `step` may not run from `stage` (other than `Unscaled`), if it may not.
+    fn refusal(&self, stage: &Stage, legacy: bool) -> Option<AmpError> {
+        let (when, remedy) = match stage {
+            Stage::Scaled => (
+                "while the gradients are still scaled (the last scale_loss used delay_unscale)",
+                "run a scale_loss without delay_unscale before stepping",
+            ),
+            Stage::Stepped if !legacy => {
+                return Some(call_order(
+                    self.door,
+                    "step()",
+                    ("twice with no scale_loss in between", "per update: zero_grad(), scale_loss(..), step()"),
+                    (
+                        "twice with no backward in between (scaler.step(&mut opt) already stepped it)",
+                        "per update: zero_grad(), scaler.scale(&loss)?.backward(), scaler.step(&mut opt)?, \
+                         scaler.update()?; scaler.step calls step() itself",
+                    ),
+                ))
             }
+            Stage::Ready if !legacy && !self.setup.pass_through && self.any_grad() => {
+                // O2's fp16 gradients without masters' are named by check_gradients.
+                if let Err(e) = self.check_gradients(false) {
+                    return Some(e);
+                }
+                (
+                    "on gradients no scale_loss produced (a backward outside it)",
+                    "run backward inside amp.scale_loss(&loss, .., |s| s.backward())",
+                )
+            }
+            _ => return None,
+        };
+        Some(AmpError::Usage(UsageError::CallOrder { call: "step()", when, remedy }))
+    }
+
+    /// The update itself (casts off where the set-up asks), then the masters rounded into the
+    /// model and released (as Apex: zeroing the model's grads does not reach them).
+    fn update(&mut self) -> Result<StepOutcome> {
+        let update = |this: &mut Self| -> Result<()> {
+            this.inner.step()?;
+            copy_masters_to_model(&this.entries)
         };
         let result = if self.setup.disable_casts_in_step {
             crate::cast::disable::without_casts(|| update(self))?
@@ -526,20 +612,17 @@ impl AmpOptimizer {
             update(self)
         };
         if let Err(e) = result {
-            // A slice-wise step uses spent gradients and not-yet-rounded weights as scratch:
-            // set the model back to the (rounded) masters and drop the gradients.
+            // The update may have stopped half-way: the model follows the masters as they are.
             copy_masters_to_model(&self.entries)?;
             self.zero_grad()?;
-            *self.stage() = Stage::Ready;
+            self.stage = Stage::Ready;
             return Err(e);
         }
-        // As Apex: master grads are not reached by zeroing the model's grads, so they are
-        // released here (which also frees their memory until the next backward).
         for m in self.entries.iter().filter_map(ParamEntry::master) {
             clear_grad(m)?;
         }
         self.steps = self.steps.saturating_add(1);
-        *self.stage() = Stage::Stepped;
+        self.stage = Stage::Stepped;
         Ok(StepOutcome::Stepped)
     }
 
@@ -553,46 +636,56 @@ impl AmpOptimizer {
     /// `scale_loss` pass (unless `scale_loss` passes the loss through and backward ran), or on
     /// still-scaled gradients.
     fn check_clip_stage(&self) -> Result<()> {
-        let when = match &*self.stage() {
-            Stage::Scaled => "while the gradients are still scaled (the last scale_loss used delay_unscale)",
-            Stage::Stepped => "after step() and before the next scale_loss",
-            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => "before scale_loss",
+        let (apex, torch_amp) = match &self.stage {
+            Stage::Scaled => {
+                let when = "while the gradients are still scaled (the last scale_loss used delay_unscale)";
+                (when, when)
+            }
+            Stage::Stepped => {
+                ("after step() and before the next scale_loss", "after step() and before the next backward")
+            }
+            Stage::Ready if !(self.setup.pass_through && self.any_grad()) => ("before scale_loss", "before backward"),
             _ => return Ok(()),
         };
-        Err(AmpError::Usage(UsageError::CallOrder {
-            call: "clip_grad_norm()",
-            when,
-            remedy: "clip after scale_loss returns, before step()",
-        }))
+        Err(call_order(
+            self.door,
+            "clip_grad_norm()",
+            (apex, "clip after scale_loss returns, before step()"),
+            (torch_amp, "clip after scaler.unscale_(&opt)?, before scaler.step(&mut opt)?"),
+        ))
+    }
+
+    /// torch.amp's `GradScaler` steps this optimizer: its call-order errors speak of
+    /// `scaler.step` and `scaler.update` from now on (until the next `scale_loss`).
+    pub(crate) fn note_scaler_step(&mut self) {
+        self.door = FrontDoor::TorchAmp;
     }
 
     /// Clips the gradients of [`Self::master_params`] so that their total `norm_type`-norm is at
     /// most `max_norm`, and returns the total norm before clipping (PyTorch's `clip_grad_norm_`,
     /// which Apex users call on `amp.master_params(optimizer)`). Computed in fp32 even for fp16
-    /// gradients; parameters without a gradient are ignored (0 when none has one); a non-finite
-    /// norm is returned and the gradients are left unscaled. One host sync (reading the norm).
+    /// gradients, the per-parameter norms taken in torch's parameter order (the order of
+    /// `model.parameters()`, and of Apex's `amp.master_params(optimizer)`: each tch parameter
+    /// group in turn, its variables in creation order with each module's weight before its bias)
+    /// so that the total is torch's to the bit; parameters without a gradient are ignored (0 when
+    /// none has one); a non-finite norm is returned and the gradients are left unscaled. One host
+    /// sync (reading the norm).
     ///
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
     /// not positive.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
-        crate::optim::check_clip_args(max_norm, norm_type)?;
+        crate::optim::grads::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
-        self.make_master_grads()?;
-        let grads: Vec<Tensor> =
-            self.entries.iter().map(|e| e.update_target().grad()).filter(Tensor::defined).collect();
-        if grads.is_empty() {
-            return Ok(0.0);
-        }
-        let total = total_norm(&grads, norm_type)?;
-        let _no_grad = tch::no_grad_guard();
-        let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0).ctx("clip coefficient")?;
-        let coef = coef.f_where_self(&total.f_isfinite().ctx("clip")?, &coef.ones_like()).ctx("clip")?;
-        for g in &grads {
-            let coef = coef.f_to_kind(g.kind()).ctx("clip")?;
-            let mut g = g.shallow_clone();
-            let _ = g.f_mul_(&coef).ctx("clipping a gradient")?;
-        }
+        // In torch's parameter order, the order of Apex's `amp.master_params(optimizer)`: the
+        // per-parameter norms are summed in it.
+        let order = torch_order(&self.entries);
+        let group_of = self.inner.group_of();
+        let params: Vec<Tensor> = (0..self.inner.groups().len())
+            .flat_map(|slot| order.iter().filter(move |&&i| group_of[i] == slot))
+            .map(|&i| self.entries[i].update_target().shallow_clone())
+            .collect();
+        let total = clip_grads(&params, max_norm, norm_type, NonFiniteNorm::Skip)?;
         crate::counters::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")
     }
@@ -605,8 +698,8 @@ impl AmpOptimizer {
 
     /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
     /// gradient.
-    /// `model_grads_expected`: fp16 model gradients beside their masters are legitimate (O2's
-    /// waiting for the slice-wise step, see [`HalfGrads`], or a caller's own).
+    /// `model_grads_expected`: fp16 model gradients beside their masters are the caller's (the
+    /// legacy FP16_Optimizer keeps them).
     fn check_gradients(&self, model_grads_expected: bool) -> Result<()> {
         let stray: Vec<String> = self
             .entries

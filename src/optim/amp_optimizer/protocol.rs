@@ -4,10 +4,9 @@
 use crate::error::Divergence;
 use tch::{Device, Kind, Tensor};
 
-use super::masters::HalfGrads;
-use super::{latest_grad, AmpOptimizer, Stage};
+use super::{AmpOptimizer, Stage};
 use crate::error::{AmpError, Result, TorchContext};
-use crate::optim::grads::{clear_grad, non_finite_check_, set_grad, take_grad, unscale_};
+use crate::optim::grads::{clear_grad, set_grad, take_grad, unscale_};
 use crate::optim::params::ParamEntry;
 use crate::scaling::{NonFiniteGrad, OverflowReport};
 
@@ -63,8 +62,7 @@ impl AmpOptimizer {
         let mut names = Vec::new();
         let mut counts = Vec::new();
         for e in order {
-            // Scaled while still the model's fp16 one: the counts of inf and NaN are the same.
-            let g = latest_grad(e);
+            let g = e.update_target().grad();
             if !g.defined() {
                 continue;
             }
@@ -92,7 +90,7 @@ impl AmpOptimizer {
         let _no_grad = tch::no_grad_guard();
         let mut nonzero = Vec::new();
         for e in &self.entries {
-            let g = latest_grad(e);
+            let g = e.update_target().grad();
             if g.defined() {
                 nonzero.push(g.f_ne(0.0).and_then(|t| t.f_any()).ctx("checking for zero gradients")?);
             }
@@ -130,12 +128,10 @@ impl AmpOptimizer {
     /// `scale_loss` entry: set aside existing gradients so that the new, scaled ones can be
     /// unscaled alone and added back (gradient accumulation across losses/iterations).
     pub(crate) fn begin_backward(&mut self) -> Result<()> {
-        if matches!(*self.stage(), Stage::Scaled) {
+        self.door = super::FrontDoor::Apex;
+        if matches!(self.stage, Stage::Scaled) {
             return Ok(());
         }
-        // A second pass before `step` (accumulation): the first pass's gradients become fp32
-        // master gradients now, and the new ones are added to them at exit.
-        self.make_master_grads()?;
         for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
             match e.master() {
                 // Master grads keep accumulating; the fp16 grads must start empty.
@@ -154,39 +150,20 @@ impl AmpOptimizer {
     /// A `scale_loss` pass that handed the loss straight to backward (disabled AMP, or a
     /// static scale of 1 without masters): the gradients are as backward left them.
     pub(crate) fn note_pass_through(&mut self) {
-        self.enter(Stage::Unscaled { half: None });
+        self.door = super::FrontDoor::Apex;
+        self.enter(Stage::Unscaled);
     }
 
     /// `scale_loss` exit: unscale the new gradients into the fp32 master gradients (or in
     /// place), flag inf/NaN into `found_inf`, and add back what was set aside. No host sync.
+    /// The fp16 model gradients of parameters with masters are released (Apex keeps them until
+    /// `zero_grad`; the masters' are what the optimizer steps and clips).
     pub(crate) fn end_backward(&mut self, found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
-        // O2 with no master gradient yet: the fp16 gradients stay where they are, only checked
-        // for inf/NaN (multiplied by 1, exactly), and `step` unscales them slice by slice.
-        // On CPU only: on a GPU each slice costs a dozen kernel launches, which made O2's step
-        // several times slower on large layers (BENCHMARKS.md, GPU), and device memory is what
-        // the caching allocator already holds.
-        let slice_wise = self.inner.updates_in_slices()
-            && self.entries.iter().any(|e| e.master().is_some())
-            && self.entries.iter().filter_map(ParamEntry::master).all(|m| m.device() == tch::Device::Cpu)
-            && self.entries.iter().filter_map(ParamEntry::master).all(|m| !m.grad().defined())
-            && self.entries.iter().filter(|e| e.master().is_some()).all(|e| {
-                let g = e.model().grad();
-                !g.defined()
-                    || (g.is_contiguous() && e.model().is_contiguous() && e.master().is_some_and(Tensor::is_contiguous))
-            });
-        let mut half: Vec<Tensor> = Vec::new();
-        let mut half_grads = None;
         // Gather the new (scaled) gradients: fp16 model grads become fresh fp32 tensors.
         let mut fresh: Vec<Tensor> = Vec::new();
         let mut targets: Vec<(usize, Tensor)> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
             match e.master() {
-                Some(_) if slice_wise => {
-                    let g = e.model().grad();
-                    if g.defined() {
-                        half.push(g);
-                    }
-                }
                 Some(_) => {
                     if let Some(g) = take_grad(e.model())? {
                         let g32 = g.f_to_kind(Kind::Float).ctx("copying a model gradient to fp32")?;
@@ -204,11 +181,6 @@ impl AmpOptimizer {
             }
         }
         unscale_(&fresh, found_inf, inv_scale)?;
-        if slice_wise {
-            // Only checked (read, not written): `step` unscales them.
-            non_finite_check_(&half, found_inf)?;
-            half_grads = Some(HalfGrads::new(inv_scale.shallow_clone(), &self.entries)?);
-        }
         let _no_grad = tch::no_grad_guard();
         for (i, new_grad) in targets {
             match self.entries[i].master() {
@@ -235,7 +207,7 @@ impl AmpOptimizer {
                 set_grad(e.model(), &s)?;
             }
         }
-        self.enter(Stage::Unscaled { half: half_grads });
+        self.enter(Stage::Unscaled);
         Ok(())
     }
 
@@ -246,13 +218,12 @@ impl AmpOptimizer {
         report: OverflowReport,
         collapse: Option<CollapseInfo>,
     ) {
-        *self.stage() = Stage::Overflowed(PendingSkip { loss_id, loss_scale, report, collapse });
+        self.stage = Stage::Overflowed(PendingSkip { loss_id, loss_scale, report, collapse });
     }
 
     pub(crate) fn mark_vanished(&mut self, collapse: CollapseInfo) {
-        let mut stage = self.stage();
-        if !matches!(*stage, Stage::Overflowed(_)) {
-            *stage = Stage::Vanished(collapse);
+        if !matches!(self.stage, Stage::Overflowed(_)) {
+            self.stage = Stage::Vanished(collapse);
         }
     }
 }

@@ -1,4 +1,4 @@
-//! What an optimizer saves and restores: its [`OptimizerRecord`], checked in full (staged)
+//! What an optimizer saves and restores: its [`OptimizerRecord`], checked in full (checked)
 //! before anything is applied.
 use crate::error::StateError;
 use std::collections::BTreeMap;
@@ -10,6 +10,9 @@ use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::engine::{check_lr, ParamStateBuffers};
 use crate::optim::record::{GroupRecord, OptimizerRecord, ParamRecord};
 use crate::optim::rule::{HyperParams, StateShape};
+/// What a strict partial load's key mismatch suggests.
+const STRICT_REMEDY: &str = "load with strict = false";
+
 impl AmpOptimizer {
     /// The optimizer's persistent state: the default learning rate, the parameter groups
     /// (learning rate, hyper-parameters, step count, parameters), counters, and per parameter
@@ -76,8 +79,8 @@ impl AmpOptimizer {
     /// # Errors
     /// [`StateError::StateMismatch`] for any difference; nothing is changed then.
     pub fn load_record(&mut self, record: OptimizerRecord) -> Result<()> {
-        let staged = self.stage_record(record)?;
-        self.apply_staged(staged)
+        let checked = self.check_record(record)?;
+        self.apply_checked(checked)
     }
 
     /// Checks that `record` comes from an optimizer of the same rule and defaults.
@@ -103,7 +106,7 @@ impl AmpOptimizer {
     }
 
     /// A recorded group's settings, checked against the rule.
-    fn stage_group(&self, g: &GroupRecord) -> Result<(f64, HyperParams, u64)> {
+    fn check_group(&self, g: &GroupRecord) -> Result<(f64, HyperParams, u64)> {
         let hyper = HyperParams::from(g.hyper_parameters.clone());
         let defaults = self.inner.defaults();
         if !hyper.keys().eq(defaults.keys()) {
@@ -121,7 +124,7 @@ impl AmpOptimizer {
     }
 
     /// A recorded parameter's state, checked against entry `i` and its group's `hyper`.
-    fn stage_param(
+    fn check_param(
         &self,
         i: usize,
         p: ParamRecord,
@@ -145,7 +148,7 @@ impl AmpOptimizer {
         let mut buffers = ParamStateBuffers::new();
         for (spec, (k, v)) in specs.iter().zip(p.buffers) {
             let (kind, shape) = spec.expected(target, self.inner.state_kind(target.kind()));
-            let v = staged_tensor(&format!("{}/{k}", p.name), v, &shape, target, kind)?;
+            let v = checked_tensor(&format!("{}/{k}", p.name), v, &shape, target, kind)?;
             if spec.shape() == StateShape::Scalar && v.dim() != 0 {
                 return Err(mismatch(format!("{}/{k} must be a 0-dim tensor", p.name)));
             }
@@ -153,7 +156,7 @@ impl AmpOptimizer {
         }
         let master = match (e.master(), p.master, with_master) {
             (Some(m), Some(v), true) => {
-                Some(staged_tensor(&format!("{} (master)", p.name), v, &m.size(), m, Kind::Float)?)
+                Some(checked_tensor(&format!("{} (master)", p.name), v, &m.size(), m, Kind::Float)?)
             }
             (Some(_), None, true) => return Err(mismatch(format!("{}: the record has no master value", p.name))),
             _ => None,
@@ -161,8 +164,8 @@ impl AmpOptimizer {
         Ok((p.step, buffers, master))
     }
 
-    /// Checks `record` against this optimizer and stages its values on the parameters' device.
-    pub(crate) fn stage_record(&self, record: OptimizerRecord) -> Result<StagedRecord> {
+    /// Checks `record` against this optimizer and copies its values to the parameters' device.
+    pub(crate) fn check_record(&self, record: OptimizerRecord) -> Result<CheckedRecord> {
         record.validate()?;
         self.check_identity(&record)?;
         let names: Vec<&str> = record.params.iter().map(|p| p.name.as_str()).collect();
@@ -204,7 +207,7 @@ impl AmpOptimizer {
                     ours.len()
                 )));
             }
-            let mut staged = Vec::with_capacity(ours.len());
+            let mut checked = Vec::with_capacity(ours.len());
             for (g, r) in ours.iter().zip(&record.groups) {
                 if g.id != r.id || g.params != r.params {
                     return Err(mismatch(format!(
@@ -212,39 +215,39 @@ impl AmpOptimizer {
                         r.id, r.params, g.id, g.params
                     )));
                 }
-                staged.push(self.stage_group(r)?);
+                checked.push(self.check_group(r)?);
             }
-            staged
+            checked
         };
         let group_of = self.inner.group_of().to_vec();
         let mut per_param = Vec::with_capacity(record.params.len());
         for (i, p) in record.params.into_iter().enumerate() {
-            per_param.push(self.stage_param(i, p, &groups[group_of[i]].1, true)?);
+            per_param.push(self.check_param(i, p, &groups[group_of[i]].1, true)?);
         }
-        Ok(StagedRecord { lr: record.lr, groups, steps: record.steps, skipped: record.skipped, per_param })
+        Ok(CheckedRecord { lr: record.lr, groups, steps: record.steps, skipped: record.skipped, per_param })
     }
 
-    /// Applies a record checked by [`Self::stage_record`].
-    pub(crate) fn apply_staged(&mut self, staged: StagedRecord) -> Result<()> {
+    /// Applies a record checked by [`Self::check_record`].
+    pub(crate) fn apply_checked(&mut self, checked: CheckedRecord) -> Result<()> {
         let _no_grad = tch::no_grad_guard();
-        let mut states = Vec::with_capacity(staged.per_param.len());
-        for (e, (step, buffers, master)) in self.entries.iter().zip(staged.per_param) {
+        let mut states = Vec::with_capacity(checked.per_param.len());
+        for (e, (step, buffers, master)) in self.entries.iter().zip(checked.per_param) {
             if let (Some(m), Some(v)) = (e.master(), master) {
                 let mut m = m.shallow_clone();
                 m.f_copy_(&v).ctx("restoring a master weight")?;
             }
             states.push((step, buffers));
         }
-        self.inner.restore(staged.lr, staged.groups, states);
-        self.steps = staged.steps;
-        self.skipped = staged.skipped;
+        self.inner.restore(checked.lr, checked.groups, states);
+        self.steps = checked.steps;
+        self.skipped = checked.skipped;
         self.reset_transient()
     }
 
     /// Gradients cleared, pending skips and collapses forgotten.
     fn reset_transient(&mut self) -> Result<()> {
         self.zero_grad()?;
-        *self.stage() = Stage::Ready;
+        self.stage = Stage::Ready;
         Ok(())
     }
 
@@ -253,7 +256,7 @@ impl AmpOptimizer {
     /// and id. `strict`: the parameters and groups must be the same ones; otherwise those of
     /// the record this optimizer lacks are ignored (`unexpected`) and those it has that the
     /// record lacks keep their state (`missing`).
-    pub(crate) fn stage_state_only(&self, record: OptimizerRecord, strict: bool) -> Result<StagedPartial> {
+    pub(crate) fn check_state_only(&self, record: OptimizerRecord, strict: bool) -> Result<CheckedPartial> {
         record.validate()?;
         self.check_identity(&record)?;
         let names = self.param_names();
@@ -266,6 +269,7 @@ impl AmpOptimizer {
                 what: "optimizer state".to_string(),
                 missing_keys: missing,
                 unexpected_keys: unexpected,
+                remedy: STRICT_REMEDY.to_string(),
             }));
         }
         let ours = self.to_record().groups;
@@ -281,7 +285,7 @@ impl AmpOptimizer {
                             r.id, r.params, g.params
                         )));
                     }
-                    let (lr, hyper, step) = self.stage_group(r)?;
+                    let (lr, hyper, step) = self.check_group(r)?;
                     groups.push((gi, lr, hyper, step));
                 }
                 None if record.groups.is_empty() => {}
@@ -303,6 +307,7 @@ impl AmpOptimizer {
                 what: "optimizer state".to_string(),
                 missing_keys: [missing, missing_groups].concat(),
                 unexpected_keys: [unexpected, unexpected_groups].concat(),
+                remedy: STRICT_REMEDY.to_string(),
             }));
         }
         if strict && rec_names != names.iter().map(|n| n.to_string()).collect::<Vec<_>>() {
@@ -318,10 +323,10 @@ impl AmpOptimizer {
                 .iter()
                 .find(|(gi, ..)| *gi == group_of[i])
                 .map_or_else(|| self.inner.groups()[group_of[i]].hyper.clone(), |(_, _, h, _)| h.clone());
-            let (step, buffers, _) = self.stage_param(i, p, &hyper, false)?;
+            let (step, buffers, _) = self.check_param(i, p, &hyper, false)?;
             per_param.push((i, step, buffers));
         }
-        Ok(StagedPartial {
+        Ok(CheckedPartial {
             lr: record.lr,
             groups,
             steps: record.steps,
@@ -332,16 +337,16 @@ impl AmpOptimizer {
         })
     }
 
-    /// Applies a state checked by [`Self::stage_state_only`]; returns the missing and
+    /// Applies a state checked by [`Self::check_state_only`]; returns the missing and
     /// unexpected keys.
-    pub(crate) fn apply_state_only(&mut self, staged: StagedPartial) -> Result<(Vec<String>, Vec<String>)> {
-        self.inner.set_default_lr(staged.lr);
-        self.inner.restore_groups(staged.groups);
-        self.inner.restore_params(staged.per_param);
-        self.steps = staged.steps;
-        self.skipped = staged.skipped;
+    pub(crate) fn apply_state_only(&mut self, checked: CheckedPartial) -> Result<(Vec<String>, Vec<String>)> {
+        self.inner.set_default_lr(checked.lr);
+        self.inner.restore_groups(checked.groups);
+        self.inner.restore_params(checked.per_param);
+        self.steps = checked.steps;
+        self.skipped = checked.skipped;
         self.reset_transient()?;
-        Ok((staged.missing, staged.unexpected))
+        Ok((checked.missing, checked.unexpected))
     }
 
     /// Sets the fp32 masters of the parameters named in `values` (fp32 tensors on the
@@ -360,18 +365,34 @@ impl AmpOptimizer {
 
 impl AmpOptimizer {
     /// Per parameter, in [`Self::param_names`] order, what mapping torch.optim's state dicts
-    /// needs (`crate::torch_checkpoint`): its tch parameter group, its place in the
-    /// VarStore's creation order, its shape, whether it has an fp32 master and the dtype of its
-    /// optimizer state.
+    /// needs (`crate::torch_checkpoint`): its tch parameter group, its parameter group's
+    /// position, its place in the VarStore's creation order, whether it has an fp32 master and
+    /// the dtype it is updated in.
     pub(crate) fn param_layout(&self) -> Vec<ParamLayout> {
         self.entries
             .iter()
-            .map(|e| ParamLayout {
+            .zip(self.inner.group_of())
+            .map(|(e, &slot)| ParamLayout {
                 group: e.group(),
+                slot,
                 order: e.order(),
-                shape: e.model().size(),
                 has_master: e.master().is_some(),
-                state_kind: self.inner.state_kind(e.update_target().kind()),
+                kind: e.update_target().kind(),
+            })
+            .collect()
+    }
+
+    /// The state tensors parameter `i` keeps in a group with hyper-parameters `hyper`, by
+    /// name: (name, dtype, shape), sorted by name.
+    pub(crate) fn state_layout(&self, i: usize, hyper: &HyperParams) -> Vec<(String, Kind, Vec<i64>)> {
+        let target = self.entries[i].update_target();
+        let mut specs = self.inner.rule().state_spec(hyper);
+        specs.sort_by(|a, b| a.name().cmp(b.name()));
+        specs
+            .iter()
+            .map(|s| {
+                let (kind, shape) = s.expected(target, self.inner.state_kind(target.kind()));
+                (s.name().to_string(), kind, shape)
             })
             .collect()
     }
@@ -380,16 +401,19 @@ impl AmpOptimizer {
 /// One parameter of an optimizer as [`AmpOptimizer::param_layout`] describes it.
 #[derive(Debug, Clone)]
 pub(crate) struct ParamLayout {
+    /// Its tch parameter group (`Path::set_group`).
     pub(crate) group: usize,
+    /// The position of its parameter group in [`AmpOptimizer::param_groups`].
+    pub(crate) slot: usize,
     pub(crate) order: usize,
-    pub(crate) shape: Vec<i64>,
     pub(crate) has_master: bool,
-    pub(crate) state_kind: Kind,
+    /// The dtype it is updated in (the master's, or the variable's).
+    pub(crate) kind: Kind,
 }
 
 /// A record checked against an optimizer, its tensors on the parameters' device.
 #[derive(Debug)]
-pub(crate) struct StagedRecord {
+pub(crate) struct CheckedRecord {
     lr: f64,
     groups: Vec<(f64, HyperParams, u64)>,
     steps: u64,
@@ -399,7 +423,7 @@ pub(crate) struct StagedRecord {
 
 /// An optimizer state (no masters) checked against an optimizer, matched by name.
 #[derive(Debug)]
-pub(crate) struct StagedPartial {
+pub(crate) struct CheckedPartial {
     lr: f64,
     groups: Vec<(usize, f64, HyperParams, u64)>,
     steps: u64,
@@ -410,7 +434,7 @@ pub(crate) struct StagedPartial {
 }
 
 /// `v` checked against `shape` and `kind`, finite, moved to `like`'s device.
-fn staged_tensor(what: &str, v: Tensor, shape: &[i64], like: &Tensor, kind: Kind) -> Result<Tensor> {
+fn checked_tensor(what: &str, v: Tensor, shape: &[i64], like: &Tensor, kind: Kind) -> Result<Tensor> {
     if v.size() != shape || v.kind() != kind {
         return Err(mismatch(format!("{what}: {:?} {:?}, expected {kind:?} {shape:?}", v.kind(), v.size())));
     }
