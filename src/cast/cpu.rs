@@ -261,10 +261,17 @@ pub struct CpuFeatures {
 
 impl CpuFeatures {
     /// The features of this machine, detected once per process. A failed detection (not
-    /// expected) gives no features, so `Auto` emulates.
+    /// expected) gives no features, so `Auto` emulates every class (with a `log` warning).
     pub fn detect() -> &'static CpuFeatures {
         static DETECTED: OnceCell<CpuFeatures> = OnceCell::new();
-        DETECTED.get_or_init(|| Self::query().unwrap_or_default())
+        DETECTED.get_or_init(|| {
+            Self::query().unwrap_or_else(|e| {
+                log::warn!(
+                    "tch-amp: the CPU's features could not be detected ({e}); CpuKernels::Auto emulates every class"
+                );
+                CpuFeatures::default()
+            })
+        })
     }
 
     fn query() -> Result<Self> {
@@ -387,30 +394,49 @@ pub(crate) fn resolve(choice: CpuKernelChoice, kind: Kind) -> CpuKernelChoice {
 /// in `kind` where libtorch's native kernels are known to be many times slower than fp32 on
 /// this CPU ([`CpuFeatures::native_slowdown`]). `Auto` never chooses those.
 pub(crate) fn warn_if_slow(choice: CpuKernelChoice, kind: Kind) {
-    static WARNED: [[AtomicBool; 3]; 2] = [
-        [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
-        [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
-    ];
+    static WARNED: Warned = Warned::new();
+    for message in slow_kernel_warnings(CpuFeatures::detect(), choice, kind, &WARNED) {
+        log::warn!("{message}");
+    }
+}
+
+/// The (type, class) pairs already warned about: fp16 then bf16, classes in [`OpClass::ALL`]'s
+/// order.
+struct Warned([[AtomicBool; 3]; 2]);
+
+impl Warned {
+    const fn new() -> Self {
+        Self([
+            [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
+            [AtomicBool::new(false), AtomicBool::new(false), AtomicBool::new(false)],
+        ])
+    }
+}
+
+/// The warnings [`warn_if_slow`] logs on a CPU with `cpu`'s features, each (type, class) pair
+/// at most once per `warned`.
+fn slow_kernel_warnings(cpu: &CpuFeatures, choice: CpuKernelChoice, kind: Kind, warned: &Warned) -> Vec<String> {
     let (row, name) = match kind {
         Kind::Half => (0, "fp16"),
         Kind::BFloat16 => (1, "bf16"),
-        _ => return,
+        _ => return Vec::new(),
     };
-    let cpu = CpuFeatures::detect();
+    let mut messages = Vec::new();
     for (i, class) in OpClass::ALL.iter().enumerate() {
         if choice.get(*class) != CpuKernels::Native {
             continue;
         }
         let Some(factor) = cpu.native_slowdown(*class, kind) else { continue };
-        if !WARNED[row][i].swap(true, Ordering::Relaxed) {
-            log::warn!(
+        if !warned.0[row][i].swap(true, Ordering::Relaxed) {
+            messages.push(format!(
                 "tch-amp: libtorch's native {name} {class} kernels were measured about {factor:.0}x slower than fp32 \
                  on CPUs like this one ({}); CpuKernels::Emulate (or Auto) computes them in fp32 from the {name} \
                  inputs with the same rounding points, at about fp32 speed",
                 cpu.summary()
-            );
+            ));
         }
     }
+    messages
 }
 
 /// Sets the C allocator to keep freed memory for reuse, once per process; returns whether it is
@@ -444,4 +470,78 @@ static KEPT: OnceCell<bool> = OnceCell::new();
 /// Whether [`keep_freed_cpu_memory`] has been applied in this process and took effect.
 pub fn freed_cpu_memory_kept() -> bool {
     KEPT.get().copied().unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU kinds of the table, as features (what `CpuFeatures::detect` reports on them).
+    fn avx2_only() -> CpuFeatures {
+        CpuFeatures { avx2: true, ..Default::default() }
+    }
+
+    fn sapphire_rapids() -> CpuFeatures {
+        CpuFeatures {
+            avx2: true,
+            avx512: true,
+            avx512_bf16: true,
+            avx512_fp16: true,
+            amx_tile: true,
+            amx_bf16: true,
+            onednn_bf16: true,
+            onednn_fp16: true,
+            ..Default::default()
+        }
+    }
+
+    /// Forcing native kernels where they are known many times slower than fp32 warns once per
+    /// type and class, naming the factor and the alternative; `Auto`, `Emulate` and fast native
+    /// classes never warn.
+    #[test]
+    fn forced_slow_native_kernels_warn_once_per_type_and_class() {
+        let warned = Warned::new();
+        let native = CpuKernelChoice::all(CpuKernels::Native);
+        let cpu = avx2_only();
+        let first = slow_kernel_warnings(&cpu, native, Kind::BFloat16, &warned);
+        assert_eq!(first.len(), 3, "{first:?}");
+        assert!(first[0].contains("native bf16 gemm kernels were measured about 15x slower"), "{}", first[0]);
+        assert!(first[1].contains("native bf16 convolution kernels were measured about 5x slower"), "{}", first[1]);
+        assert!(first.iter().all(|m| m.contains("CpuKernels::Emulate") && m.contains("AVX2")), "{first:?}");
+        assert!(slow_kernel_warnings(&cpu, native, Kind::BFloat16, &warned).is_empty(), "once");
+        assert_eq!(slow_kernel_warnings(&cpu, native, Kind::Half, &warned).len(), 3, "fp16 is another type");
+        for mode in [CpuKernels::Auto, CpuKernels::Emulate] {
+            let fresh = Warned::new();
+            assert!(slow_kernel_warnings(&cpu, CpuKernelChoice::all(mode), Kind::Half, &fresh).is_empty(), "{mode}");
+        }
+        // With 16-bit units: only the classes measured slow there.
+        let cpu = sapphire_rapids();
+        let fresh = Warned::new();
+        assert!(slow_kernel_warnings(&cpu, native.with(OpClass::Attention, CpuKernels::Auto), Kind::BFloat16, &fresh)
+            .is_empty());
+        let half = slow_kernel_warnings(&cpu, native, Kind::Half, &fresh);
+        assert_eq!(half.len(), 2, "{half:?}");
+        assert!(half[0].contains("fp16 convolution kernels were measured about 50x slower"), "{}", half[0]);
+        assert!(half[1].contains("fp16 attention kernels were measured about 3x slower"), "{}", half[1]);
+        assert!(slow_kernel_warnings(&cpu, native, Kind::Float, &fresh).is_empty(), "fp32 has nothing to warn about");
+    }
+
+    /// `Auto` on the table's CPU kinds (and on a CPU with no features, as a failed detection
+    /// gives): never a class it would warn about.
+    #[test]
+    fn auto_never_chooses_a_slow_native_class() {
+        for cpu in [CpuFeatures::default(), avx2_only(), sapphire_rapids()] {
+            for kind in [Kind::Half, Kind::BFloat16] {
+                let auto = cpu.auto_choice(kind);
+                for class in OpClass::ALL {
+                    if cpu.native_slowdown(class, kind).is_some() {
+                        assert_eq!(auto.get(class), CpuKernels::Emulate, "{kind:?} {class} on {}", cpu.summary());
+                    }
+                }
+            }
+        }
+        let spr = sapphire_rapids();
+        assert_eq!(spr.auto_summary(), "fp16: gemm native, convolution emulate, attention emulate; bf16: gemm native, convolution native, attention emulate");
+        assert_eq!(CpuFeatures::default().auto_choice(Kind::BFloat16), CpuKernelChoice::all(CpuKernels::Emulate));
+    }
 }
