@@ -17,7 +17,8 @@ use crate::optim::{
     build_entries, Algorithm, AmpOptimizer, CollapseInfo, Layout, OptimizerConfig, OptimizerSetup, ParamGroup,
     UpdateRule,
 };
-use crate::scaling::{self, AmpState, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::scaling::{self, Collapse, LossScaler, OverflowReport, ScaleLossOptions, ScaleLossOutcome};
+use crate::torch_io::{Node, Value};
 use crate::AutocastScope;
 
 static NEXT_AMP_ID: AtomicU64 = AtomicU64::new(1);
@@ -191,17 +192,12 @@ impl Amp {
         Ok(self.scaler(loss_id)?.loss_scale())
     }
 
-    /// The scalers' state in Apex's form (`amp.state_dict()`):
-    /// `{"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}, ...}`. Growth interval and
+    /// The scalers' state in Apex's form (`amp.state_dict()`), the value `torch.save` writes:
+    /// `{'loss_scaler0': {'loss_scale': 65536.0, 'unskipped': 0}, ...}`. Growth interval and
     /// factors are not part of it (Apex fixes them at 2000, 2 and 0.5); after loading a
     /// `GradScaler` state with other values, keep that dict (or set them again) to restore them.
-    pub fn state_dict(&self) -> AmpState {
-        scaling::state_dict(&self.scalers)
-    }
-
-    /// [`Self::state_dict`] as JSON text.
-    pub fn state_dict_json(&self) -> String {
-        serde_json::to_string_pretty(&self.state_dict()).unwrap_or_default()
+    pub fn state_dict(&self) -> Value {
+        scaling::state_value(&self.scalers)
     }
 
     /// Restores the scalers from Apex's form (one `loss_scalerN` entry per loss, each with
@@ -212,15 +208,20 @@ impl Amp {
     /// [`StateError::StateMismatch`](crate::error::StateError::StateMismatch) for an unknown key, a
     /// missing scaler, a count that differs from `num_losses`, or a non-positive / non-finite
     /// scale. Nothing is applied then (Apex applies the valid entries and raises afterwards).
-    pub fn load_state_dict(&mut self, state: &serde_json::Value) -> Result<()> {
-        let parsed = scaling::parse_state(&self.scalers, state)?;
+    pub fn load_state_dict(&mut self, state: &Value) -> Result<()> {
+        let parsed = scaling::parse_state(&self.scalers, &state.node())?;
         scaling::apply_state(&mut self.scalers, parsed);
         Ok(())
     }
 
     /// Checks a state against this `Amp` without applying it (checkpoint loading).
-    pub(crate) fn check_state_dict(&self, state: &serde_json::Value) -> Result<scaling::ParsedState> {
+    pub(crate) fn check_state_dict(&self, state: &Node<'_>) -> Result<scaling::ParsedState> {
         scaling::parse_state(&self.scalers, state)
+    }
+
+    /// tch-amp's own checkpoint format's record of the scalers.
+    pub(crate) fn amp_state(&self) -> scaling::AmpState {
+        scaling::amp_state(&self.scalers)
     }
 
     /// Applies a state checked by [`Self::check_state_dict`].
@@ -350,6 +351,45 @@ impl Amp {
     ) -> Result<AmpOptimizer> {
         let layout = self.layout(vs, groups)?;
         AmpOptimizer::build(self.optimizer_setup(), Box::new(rule), None, lr, layout)
+    }
+
+    /// Apex's `DistributedFusedAdam` / `DistributedFusedLAMB` (with [`crate::FusedAdam`] /
+    /// [`crate::FusedLamb`]), or torch's `ZeroRedundancyOptimizer` under Apex's amp: the
+    /// optimizer of [`Self::optimizer_groups`] sharded over the ranks of `pg` (ZeRO stage 1, see
+    /// [`AmpOptimizer::sharded`] for the partition and the collectives). Under master weights each
+    /// rank makes the fp32 masters of its shard only: with Adam at O2 a rank holds `12 / world
+    /// size` bytes of masters and state per parameter on average (the partition's balance
+    /// decides), where every rank of an unsharded run holds 12.
+    ///
+    /// `scale_loss` works as for an unsharded optimizer: the gradients of other ranks'
+    /// parameters (averaged by DDP) are released at its exit, each rank checks its shard's
+    /// gradients, and the ranks agree on the inf/NaN verdict (one collective) before the scale
+    /// changes, so every rank skips or steps together and the loss scalers stay equal.
+    ///
+    /// # Errors
+    /// As [`Self::optimizer_groups`].
+    pub fn sharded_optimizer(
+        &self,
+        pg: &crate::distributed::ProcessGroup,
+        vs: &VarStore,
+        config: impl Into<OptimizerConfig>,
+        lr: f64,
+        groups: &[ParamGroup],
+    ) -> Result<AmpOptimizer> {
+        let config = config.into();
+        // The masters of the rank's shard are made when the partition is known.
+        let layout = crate::optim::amp_optimizer::layout(vs, groups, false)?;
+        let comm: Box<dyn crate::optim::Collectives> = Box::new(pg.clone());
+        let opt = AmpOptimizer::build_sharded(
+            self.optimizer_setup(),
+            Box::new(config.rule()),
+            Some(config),
+            lr,
+            layout,
+            Some(comm),
+        )?;
+        self.warn_fp16_adam(&opt, config);
+        Ok(opt)
     }
 
     fn layout(&self, vs: &VarStore, groups: &[ParamGroup]) -> Result<Layout> {
@@ -541,6 +581,10 @@ impl Amp {
         if !dynamic {
             return Ok(false);
         }
+        // A sharded optimizer checked its shard only: the ranks agree before anyone steps.
+        for o in optimizers.iter() {
+            o.agree_found_inf(&found_inf)?;
+        }
         crate::counters::note_host_read();
         Ok(found_inf.f_double_value(&[0]).ctx("reading the overflow flag")? != 0.0)
     }
@@ -554,7 +598,7 @@ impl Amp {
         let all_zero_at_floor = !overflow && scaler.is_dynamic() && scaler.at_floor() && {
             let mut verdict = None;
             for o in optimizers.iter() {
-                match (o.grads_all_zero()?, verdict) {
+                match (o.grads_all_zero_agreed()?, verdict) {
                     (Some(false), _) => {
                         verdict = Some(false);
                         break;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
 use tch::{Device, Kind, Tensor};
-use tch_amp::torch_io::{self, BigInt, Dict, Format, Key, LoadOptions, TorchIoError, Value};
+use tch_amp::torch_io::{self, BigInt, Dict, Format, Key, Limits, LoadOptions, TorchIoError, Value};
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -1317,4 +1317,44 @@ fn self_containing_and_very_deep_files_are_typed_errors() {
         deep = Value::List(vec![deep]);
     }
     drop(deep);
+}
+
+/// Tightened limits refuse, with the limit named, what the defaults read: the tree's depth,
+/// the storages' total and the pickle's size, through `torch_io` and `load_torch_checkpoint`.
+#[test]
+fn tightened_limits_refuse_what_the_defaults_read() {
+    // {'a': {'b': {'c': tensor of 1000 f32}}}: depth 3 below the root, 4000 storage bytes.
+    let t = Tensor::arange(1000, (Kind::Float, Device::Cpu));
+    let inner = Dict::new().with("c", Value::Tensor(t.shallow_clone()));
+    let mid = Dict::new().with("b", Value::Dict(inner));
+    let root = Value::Dict(Dict::new().with("a", Value::Dict(mid)));
+    let bytes = torch_io::save_bytes(&root).unwrap();
+    let load = |limits: Limits| torch_io::load_bytes(&bytes, &LoadOptions::new().limits(limits));
+    let read = load(Limits::default()).unwrap();
+    assert!(read.get("a").unwrap().get("b").unwrap().get("c").unwrap().as_tensor().unwrap().equal(&t));
+    // Depth: the tensor sits 3 levels below the root.
+    load(Limits { depth: 3, ..Limits::default() }).unwrap();
+    assert!(matches!(load(Limits { depth: 2, ..Limits::default() }), Err(TorchIoError::TooDeep { limit: 2, .. })));
+    // A depth above the largest is the largest.
+    load(Limits { depth: usize::MAX, ..Limits::default() }).unwrap();
+    // Storages: exactly 4000 bytes.
+    load(Limits { storage_bytes: 4000, ..Limits::default() }).unwrap();
+    assert!(matches!(
+        load(Limits { storage_bytes: 3999, ..Limits::default() }),
+        Err(TorchIoError::TooLarge { limit: 3999, .. })
+    ));
+    // The pickle: refused by its header's size before it is read.
+    assert!(matches!(
+        load(Limits { pickle_bytes: 16, ..Limits::default() }),
+        Err(TorchIoError::TooLarge { limit: 16, ref what }) if what.contains("data.pkl")
+    ));
+    // The same bound through load_torch_checkpoint's options.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("deep.pt");
+    torch_io::save(&path, &root).unwrap();
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let options =
+        tch_amp::torch_checkpoint::TorchLoadOptions::new().limits(Limits { storage_bytes: 100, ..Limits::default() });
+    let err = tch_amp::load_torch_checkpoint(&path, &vs, &mut [], &mut (), &options).unwrap_err();
+    assert!(matches!(err, tch_amp::AmpError::File(TorchIoError::TooLarge { limit: 100, .. })), "{err}");
 }

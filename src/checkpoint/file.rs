@@ -13,8 +13,8 @@ use crate::config::OptLevel;
 use crate::dtype::is_floating;
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, GroupRecord, OptimizerRecord, ParamRecord};
-use crate::scaling::{AmpState, CheckpointScalers};
-use crate::torch_io::{Dict, Key, Value};
+use crate::scaling::{self, AmpState, CheckpointScalers};
+use crate::torch_io::{Dict, Key, Value, MAX_DEPTH};
 
 const FORMAT: &str = "tch-amp-checkpoint/5";
 /// The format before checkpoints without an `Amp` (torch.amp's GradScalers, or none): an opt
@@ -68,7 +68,7 @@ impl TrainingState {
     /// string or holds `/`, or a name already taken.
     pub fn insert_tree(&mut self, prefix: &str, tree: &Value) -> Result<()> {
         let mut flat = Vec::new();
-        flatten(prefix, tree, &mut flat)?;
+        flatten(prefix, tree, 0, &mut flat)?;
         if let Some((name, _)) = flat.iter().find(|(n, _)| self.tensors.contains_key(n)) {
             return Err(mismatch(format!("training state: {name} is taken")));
         }
@@ -84,16 +84,21 @@ impl TrainingState {
             .iter()
             .filter_map(|(name, t)| name.strip_prefix(&start).map(|rest| (rest.split('/').collect(), t)))
             .collect();
-        unflatten(items)
+        unflatten(items, 0)
     }
 }
 
-/// The dict tree of `(key path, tensor)` pairs (sorted by path).
-fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
+/// The dict tree of `(key path, tensor)` pairs (sorted by path), `depth` levels below the
+/// root. Below [`MAX_DEPTH`] levels (a name from a crafted file), the rest of a path is one
+/// key: the recursion is bounded.
+fn unflatten(items: Vec<(Vec<&str>, &Tensor)>, depth: usize) -> Value {
     let mut groups: BTreeMap<&str, Vec<(Vec<&str>, &Tensor)>> = BTreeMap::new();
     let mut leaves = Dict::new();
     for (path, t) in items {
         match path.split_first() {
+            Some((_, rest)) if !rest.is_empty() && depth >= MAX_DEPTH => {
+                leaves.insert(path.join("/"), Value::Tensor(t.shallow_clone()));
+            }
             Some((key, [])) => {
                 leaves.insert(*key, Value::Tensor(t.shallow_clone()));
             }
@@ -102,12 +107,17 @@ fn unflatten(items: Vec<(Vec<&str>, &Tensor)>) -> Value {
         }
     }
     for (key, children) in groups {
-        leaves.insert(key, unflatten(children));
+        leaves.insert(key, unflatten(children, depth + 1));
     }
     Value::Dict(leaves)
 }
 
-fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+/// `value`'s tensors named by their key paths under `prefix`, `depth` levels below the tree's
+/// root; a tree deeper than [`MAX_DEPTH`] is refused (the recursion is bounded).
+fn flatten(prefix: &str, value: &Value, depth: usize, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(mismatch(format!("training state: {prefix}: nested deeper than {MAX_DEPTH} levels")));
+    }
     match value {
         Value::Tensor(t) => out.push((prefix.to_string(), t.shallow_clone())),
         Value::Dict(d) => {
@@ -118,7 +128,7 @@ fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Tensor)>) -> Resu
                 if k.contains('/') || k.is_empty() {
                     return Err(mismatch(format!("training state: {prefix}: key {k:?} is empty or holds '/'")));
                 }
-                flatten(&format!("{prefix}/{k}"), v, out)?;
+                flatten(&format!("{prefix}/{k}"), v, depth + 1, out)?;
             }
         }
         other => {
@@ -280,9 +290,15 @@ fn collect(vs: &VarStore, records: &[OptimizerRecord]) -> Result<(BTreeMap<Strin
 /// `scalers`: an [`Amp`] (its opt level and scalers are recorded), a [`crate::GradScaler`] or a
 /// slice of them (torch.amp's path: no `Amp` needed), or `&()` for none.
 ///
+/// A sharded optimizer's whole state must have been gathered on this rank first
+/// ([`AmpOptimizer::consolidate_state_dict`]); [`crate::distributed::save_checkpoint_on_rank0`]
+/// does both.
+///
 /// # Errors
 /// [`AmpError::Io`](crate::AmpError::Io) when the file cannot be written (any previous file at `path` is left
-/// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read.
+/// intact, no temporary file is left behind); [`AmpError::Torch`] if a tensor cannot be read;
+/// [`UsageError::NotConsolidated`](crate::error::UsageError::NotConsolidated) for a sharded
+/// optimizer whose state is not gathered here.
 pub fn save_checkpoint<S: CheckpointScalers + ?Sized>(
     path: impl AsRef<Path>,
     vs: &VarStore,
@@ -305,9 +321,19 @@ pub fn save_checkpoint_with<S: CheckpointScalers + ?Sized>(
     scalers: &S,
     extra: &TrainingState,
 ) -> Result<()> {
-    let path = path.as_ref();
-    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
-    let (mut tensors, optimizers) = collect(vs, &records)?;
+    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.consolidated_record()).collect::<Result<_>>()?;
+    save_records(path.as_ref(), vs, &records, scalers, extra)
+}
+
+/// [`save_checkpoint_with`] of optimizer records (each optimizer's whole record).
+pub(crate) fn save_records<S: CheckpointScalers + ?Sized>(
+    path: &Path,
+    vs: &VarStore,
+    records: &[OptimizerRecord],
+    scalers: &S,
+    extra: &TrainingState,
+) -> Result<()> {
+    let (mut tensors, optimizers) = collect(vs, records)?;
     for (name, t) in &extra.tensors {
         tensors.insert(format!("{EXTRA_PREFIX}{name}"), HostTensor::from_tensor(t)?);
     }
@@ -329,7 +355,7 @@ pub fn save_checkpoint_with<S: CheckpointScalers + ?Sized>(
     let meta = Metadata {
         format: FORMAT.to_string(),
         opt_level: amp.map(|a| a.properties().opt_level()),
-        amp: amp.map(Amp::state_dict),
+        amp: amp.map(Amp::amp_state),
         optimizers,
         extra: extra.value.clone(),
     };
@@ -458,8 +484,7 @@ pub fn load_checkpoint<S: CheckpointScalers + ?Sized>(
                      load_optimizer_state load its parts into another opt level"
                 )));
             }
-            let amp_json = serde_json::to_value(state).map_err(|e| mismatch(format!("amp state: {e}")))?;
-            ScalerChecked::Amp(amp.check_state_dict(&amp_json)?)
+            ScalerChecked::Amp(amp.check_state_dict(&scaling::amp_state_value(state).node())?)
         }
         (Some(amp), None, _) => {
             return Err(mismatch(format!(

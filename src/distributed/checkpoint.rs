@@ -22,7 +22,9 @@ fn agree(pg: &ProcessGroup, failed: bool) -> Result<Option<usize>> {
 
 /// [`crate::save_checkpoint`] in a process group, as Apex's ImageNet example does it: rank 0
 /// writes the file (all ranks hold the same weights under DDP), then every rank learns whether
-/// the write worked. Collective: every rank calls it.
+/// the write worked. Collective: every rank calls it. A sharded optimizer's state is gathered on
+/// rank 0 first (its `consolidate_state_dict(0)`), so the file holds the whole optimizer, as an
+/// unsharded run's does, and loads into any world size.
 ///
 /// # Errors
 /// On rank 0, the save's own error ([`DistError::Amp`]); on the other ranks
@@ -35,7 +37,26 @@ pub fn save_checkpoint_on_rank0(
     optimizers: &[&AmpOptimizer],
     amp: &Amp,
 ) -> Result<()> {
-    let local = if pg.is_main() { crate::save_checkpoint(path, vs, optimizers, amp) } else { Ok(()) };
+    let mut records = Vec::with_capacity(optimizers.len());
+    for o in optimizers {
+        let params = o.gather_params(0)?;
+        if let Some(params) = params {
+            let mut r = o.to_record();
+            r.params = params;
+            records.push(r);
+        }
+    }
+    let local = if pg.is_main() {
+        crate::checkpoint::file::save_records(
+            path.as_ref(),
+            vs,
+            &records,
+            amp,
+            &crate::checkpoint::TrainingState::default(),
+        )
+    } else {
+        Ok(())
+    };
     let failed_rank = agree(pg, local.is_err())?;
     local?;
     match failed_rank {

@@ -132,7 +132,8 @@ impl DdpOptions {
 /// At construction, rank 0's parameters and buffers are broadcast to every rank (torch's
 /// `_sync_module_states`, after checking the shapes agree), and so are the fp32 master
 /// weights of the given [`AmpOptimizer`]s, which tch-amp creates at `initialize` (Apex
-/// creates them lazily, after DDP's broadcast). Every forward with autograd on broadcasts rank
+/// creates them lazily, after DDP's broadcast); a sharded optimizer's masters (on the ranks
+/// that own them) are made again from the broadcast model where they do not round to it. Every forward with autograd on broadcasts rank
 /// 0's buffers first (`broadcast_buffers`) and arms libtorch's `c10d::Reducer`: during the next
 /// backward, gradients are copied into buckets, and each full bucket is allreduced while
 /// backward goes on (the first iteration uses one bucket, then buckets are rebuilt in the order
@@ -259,9 +260,15 @@ impl<M> DistributedDataParallel<M> {
         let reducer = sys::ddp_new(pg.handle(), &params, cfg).map_err(|m| pg.err("DistributedDataParallel::new", m))?;
         let mut states: Vec<Tensor> = params.iter().chain(buffers.iter()).map(Tensor::shallow_clone).collect();
         pg.broadcast_coalesced_(&mut states, BROADCAST_BUCKET_BYTES, 0)?;
-        let mut masters: Vec<Tensor> = optimizers.iter().flat_map(|o| o.masters()).collect();
+        let mut masters: Vec<Tensor> =
+            optimizers.iter().filter(|o| !o.is_sharded()).flat_map(|o| o.masters()).collect();
         if !masters.is_empty() {
             pg.broadcast_coalesced_(&mut masters, BROADCAST_BUCKET_BYTES, 0)?;
+        }
+        // A sharded optimizer's masters live on their owners, not on rank 0: they follow the
+        // broadcast model.
+        for o in optimizers.iter().filter(|o| o.is_sharded()) {
+            o.sync_masters_to_model()?;
         }
         Ok(Self {
             module,

@@ -111,11 +111,11 @@ pub enum DistError {
         #[source]
         source: TchError,
     },
-    /// An AMP operation (checkpoint save or load) failed.
+    /// An AMP operation (checkpoint save or load, a step) failed.
     #[error("{source}")]
     Amp {
         /// The AMP error.
-        #[from]
+        #[source]
         source: AmpError,
     },
     /// Another rank reported a failure of a step all ranks take together.
@@ -132,6 +132,17 @@ pub enum DistError {
         /// What is wrong and what to do.
         message: String,
     },
+}
+
+/// An AMP error; one that carries a failed collective ([`AmpError::Distributed`], from a sharded
+/// optimizer's step) gives that collective's error back.
+impl From<AmpError> for DistError {
+    fn from(e: AmpError) -> Self {
+        match e {
+            AmpError::Distributed(d) => *d,
+            source => DistError::Amp { source },
+        }
+    }
 }
 
 /// `Result` with [`DistError`].

@@ -12,6 +12,9 @@
 //! - [`SyncBatchNorm`] ([`sync_batch_norm`]): Apex's `convert_syncbn_model`, one layer at a time.
 //! - [`DistributedSampler`]: torch's per-rank index rule, the same indices as torch.
 //! - [`save_checkpoint_on_rank0`] / [`load_checkpoint_on_all`].
+//! - The sharded optimizer (ZeRO stage 1, torch's `ZeroRedundancyOptimizer`, Apex's
+//!   `DistributedFusedAdam`/`LAMB`): [`crate::AmpOptimizer::sharded`],
+//!   [`crate::Amp::sharded_optimizer`]; docs/distributed.md.
 //!
 //! A training script under `torchrun --no-python --nproc-per-node 2 target/release/my_trainer`:
 //!
@@ -52,6 +55,7 @@ mod error;
 mod process_group;
 mod sampler;
 mod sync_bn;
+mod zero;
 use crate::sys::distributed as sys;
 
 pub use checkpoint::{load_checkpoint_on_all, save_checkpoint_on_rank0};

@@ -315,7 +315,7 @@ impl ProcessGroup {
                 return e;
             }
         }
-        DistError::Amp { source: error }
+        DistError::from(error)
     }
 
     fn check_root(&self, root: usize) -> Result<()> {

@@ -10,8 +10,8 @@ use crate::torch_io::TorchIoError;
 /// the set-up ([`AmpError::Config`]), fix the training loop ([`AmpError::Usage`]), change an
 /// op the O1 policy refuses ([`AmpError::OpRefused`]), stop or restart a run that diverged
 /// ([`AmpError::Diverged`]), pick another checkpoint or state ([`AmpError::State`]), or look
-/// at the file system or the file ([`AmpError::Io`], [`AmpError::File`]) or at libtorch
-/// ([`AmpError::Torch`]).
+/// at the file system or the file ([`AmpError::Io`], [`AmpError::File`]), at the other ranks
+/// of a process group ([`AmpError::Distributed`]) or at libtorch ([`AmpError::Torch`]).
 ///
 /// Messages are one line and name the remedy; each variant's docs explain more.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +56,12 @@ pub enum AmpError {
     /// a failed save leaves any previous file in place.
     #[error(transparent)]
     File(#[from] TorchIoError),
+    /// A collective of a sharded optimizer failed (a peer died, timed out or called collectives
+    /// in another order): the [`DistError`](crate::distributed::DistError) says which. `?` into a
+    /// function returning `DistError` gives it back unwrapped, so
+    /// [`DistError::is_peer_failure`](crate::distributed::DistError::is_peer_failure) sees it.
+    #[error(transparent)]
+    Distributed(Box<crate::distributed::DistError>),
     /// libtorch failed: an exception from a tch call or from tch-amp's C++ shim, a `VarStore`
     /// lock poisoned by a panic in another thread, or more tensors than one shim call can
     /// carry. The message is libtorch's (or says which limit).
@@ -119,6 +125,16 @@ pub(crate) fn mismatch(message: impl Into<String>) -> AmpError {
 impl From<TchError> for AmpError {
     fn from(source: TchError) -> Self {
         AmpError::Torch { context: "a tch call", source }
+    }
+}
+
+/// A failed collective; a `DistError` that carries an `AmpError` gives that error back.
+impl From<crate::distributed::DistError> for AmpError {
+    fn from(e: crate::distributed::DistError) -> Self {
+        match e {
+            crate::distributed::DistError::Amp { source } => source,
+            other => AmpError::Distributed(Box::new(other)),
+        }
     }
 }
 

@@ -200,6 +200,19 @@ pub enum UsageError {
     /// after an overflow lands here).
     #[error("step() found no gradients: run scale_loss (the backward pass) once before each step()")]
     NoGradients,
+    /// The whole state of a sharded optimizer was asked for (a checkpoint of it, its
+    /// consolidated record) on a rank that does not hold it: each rank keeps the state and fp32
+    /// masters of its shard only. Call `opt.consolidate_state_dict(to)` on every rank after the
+    /// last step (torch's `consolidate_state_dict(to=0)`), then save on rank `to`; or use
+    /// `distributed::save_checkpoint_on_rank0`, which does both.
+    #[error(
+        "the optimizer's state is sharded and was not consolidated on rank {rank} since its last change: call \
+         consolidate_state_dict({rank}) on every rank first"
+    )]
+    NotConsolidated {
+        /// This rank.
+        rank: usize,
+    },
     /// The loss given to `scale_loss` (or `GradScaler::scale`) cannot be back-propagated as it
     /// is: it is not a single value (reduce it with `mean()` or `sum()`), it does not require
     /// grad (compute it from the model's trainable variables, outside `no_grad`, without

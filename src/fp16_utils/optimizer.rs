@@ -5,7 +5,6 @@
 //! scale is a [`LossScaler`] set up as Apex's amp `LossScaler` that `FP16_Optimizer` uses.
 use crate::error::{ConfigError, StateError, UsageError};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
@@ -14,6 +13,7 @@ use crate::config::{AmpConfig, LossScale, OptLevel};
 use crate::error::{mismatch, AmpError, Result, TorchContext};
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord, StepOutcome};
 use crate::scaling::LossScaler;
+use crate::torch_io::{Dict, Value};
 use crate::{Amp, CpuKernels};
 
 /// Apex's `dynamic_loss_args`: the options `FP16_Optimizer` hands to amp's `LossScaler`.
@@ -235,17 +235,21 @@ fn scaler_amp(s: &LegacyScalerState) -> Result<Amp> {
         c.loss_scale(LossScale::Static(s.loss_scale))
     };
     let mut amp = Amp::new(&c)?;
+    let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
     let state = if s.dynamic {
-        json!({
-            "scale": s.loss_scale,
-            "growth_factor": 2.0,
-            "backoff_factor": 0.5,
-            "growth_interval": s.scale_seq_len as f64,
-            "_growth_tracker": s.unskipped as f64,
-        })
+        Dict::new()
+            .with("scale", Value::Float(s.loss_scale))
+            .with("growth_factor", Value::Float(2.0))
+            .with("backoff_factor", Value::Float(0.5))
+            .with("growth_interval", int(s.scale_seq_len))
+            .with("_growth_tracker", int(s.unskipped))
     } else {
-        json!({ "loss_scaler0": { "loss_scale": s.loss_scale, "unskipped": s.unskipped } })
+        Dict::new().with(
+            "loss_scaler0",
+            Value::Dict(Dict::new().with("loss_scale", Value::Float(s.loss_scale)).with("unskipped", int(s.unskipped))),
+        )
     };
+    let state = Value::Dict(state);
     amp.load_state_dict(&state)?;
     Ok(amp)
 }

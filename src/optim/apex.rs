@@ -585,7 +585,12 @@ pub(crate) fn lamb_step(groups: &mut [GroupView<'_>], global: &FusedLamb) -> Res
     if grads.is_empty() {
         return Ok(());
     }
-    let global_norm = sys::total_norm(&grads, 2.0)?;
+    // Given when this call sees only some of the parameters (a sharded optimizer, or one
+    // parameter at a time): the same norm of the same per-tensor norms in the same order.
+    let global_norm = match groups.first().and_then(|g| g.global_grad_norm.as_ref()) {
+        Some(n) => n.shallow_clone(),
+        None => sys::total_norm(&grads, 2.0)?,
+    };
     // clipped_global_grad_norm = norm > max ? norm / max : 1
     let over = global_norm.f_gt(global.max_grad_norm).ctx("LAMB clipping")?;
     let clip = div(&global_norm, global.max_grad_norm)?

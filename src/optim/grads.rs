@@ -120,6 +120,15 @@ pub(crate) fn clip_grads(
     }
     let _no_grad = tch::no_grad_guard();
     let total = sys::total_norm(&grads, norm_type)?;
+    scale_clipped(&grads, &total, max_norm, non_finite)?;
+    Ok(total)
+}
+
+/// The clip of [`clip_grads`] given the total norm: every gradient multiplied in place by
+/// `clamp((total + 1e-6).reciprocal() * max_norm, max=1)` (by 1 for a non-finite total with
+/// [`NonFiniteNorm::Skip`]).
+pub(crate) fn scale_clipped(grads: &[Tensor], total: &Tensor, max_norm: f64, non_finite: NonFiniteNorm) -> Result<()> {
+    let _no_grad = tch::no_grad_guard();
     let mut coef = total
         .f_add_scalar(1e-6)
         .and_then(|t| t.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0))
@@ -127,10 +136,10 @@ pub(crate) fn clip_grads(
     if non_finite == NonFiniteNorm::Skip {
         coef = coef.f_where_self(&total.f_isfinite().ctx("clip")?, &coef.ones_like()).ctx("clip")?;
     }
-    for g in &grads {
+    for g in grads {
         let _ = g.shallow_clone().f_mul_(&coef.f_to_device(g.device()).ctx("clip")?).ctx("clipping a gradient")?;
     }
-    Ok(total)
+    Ok(())
 }
 
 /// The arguments of a gradient clip, checked as torch's `clip_grad_norm_` would use them: a

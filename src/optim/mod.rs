@@ -17,7 +17,7 @@ pub(crate) mod rules;
 mod sgd;
 
 pub use amp_optimizer::MemoryReport;
-pub(crate) use amp_optimizer::{AmpOptimizer, StepOutcome};
+pub(crate) use amp_optimizer::{AmpOptimizer, Collectives, StepOutcome};
 pub(crate) use amp_optimizer::{CollapseInfo, Layout, OptimizerSetup};
 pub use apex::NovoGradNorm;
 pub use grads::{backward, non_finite_check_, unscale_};

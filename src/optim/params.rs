@@ -47,6 +47,18 @@ impl ParamEntry {
     }
 }
 
+impl ParamEntry {
+    /// Gives a low-precision variable its fp32 master (made from the variable), if it has none.
+    pub(crate) fn make_master(&mut self) -> Result<()> {
+        if self.master.is_none() && is_low_precision(self.model.kind()) {
+            let _no_grad = tch::no_grad_guard();
+            let m = self.model.f_detach().and_then(|t| t.f_to_kind(Kind::Float)).ctx("creating a master weight")?;
+            self.master = Some(m);
+        }
+        Ok(())
+    }
+}
+
 /// True when `name` lies under one of `prefixes`, compared by whole path segments.
 pub(crate) fn under_prefix(name: &str, prefixes: &[&str]) -> bool {
     prefixes.is_empty()

@@ -37,6 +37,20 @@ pub trait Optimizer {
     fn masters(&self) -> Vec<(String, Tensor)> {
         Vec::new()
     }
+
+    /// For an optimizer spread over the processes of a group, each updating (and checking the
+    /// gradients of) part of the parameters (a sharded optimizer): `found_inf`, this process's
+    /// inf/NaN flags (fp32, > 0: found) over the gradients of [`Self::params`], becomes one flag
+    /// that is the same on every process, so that all step or skip together.
+    /// [`crate::GradScaler`] calls it after unscaling, before it reads the flags. The default
+    /// leaves them as they are (one process sees every gradient).
+    ///
+    /// # Errors
+    /// The collective's failure.
+    fn agree_on_overflow(&self, found_inf: &mut Vec<Tensor>) -> Result<()> {
+        let _ = found_inf;
+        Ok(())
+    }
 }
 
 /// tch's libtorch optimizers (`nn::Sgd`, `nn::Adam`, ... built with `.build(&vs, lr)`). Their
@@ -59,7 +73,9 @@ impl Optimizer for nn::Optimizer {
 
 /// tch-amp's optimizers. A plain one ([`AmpOptimizer::new`]) is torch.optim's; one an
 /// [`crate::Amp`] made at O0 or without master weights works under a [`crate::GradScaler`] too.
-/// With fp16 parameters the scaler refuses their gradients, as torch does.
+/// With fp16 parameters the scaler refuses their gradients, as torch does. A sharded one
+/// ([`AmpOptimizer::sharded`]) gives its rank's shard as `params` and agrees the inf/NaN verdict
+/// with the other ranks.
 impl Optimizer for AmpOptimizer {
     fn params(&self) -> Vec<Tensor> {
         self.master_params()
@@ -76,12 +92,10 @@ impl Optimizer for AmpOptimizer {
     }
 
     fn masters(&self) -> Vec<(String, Tensor)> {
-        self.param_names()
-            .into_iter()
-            .zip(self.master_params())
-            .zip(self.master_flags())
-            .filter(|(_, has)| *has)
-            .map(|((n, p), _)| (n.to_string(), p))
-            .collect()
+        self.named_masters()
+    }
+
+    fn agree_on_overflow(&self, found_inf: &mut Vec<Tensor>) -> Result<()> {
+        self.agree_flags(found_inf)
     }
 }

@@ -235,12 +235,12 @@ impl StateSpec {
         self.fp32
     }
 
-    /// The dtype and shape this spec expects for a parameter `param` whose state dtype is
-    /// `state_kind`.
-    pub(crate) fn expected(&self, param: &Tensor, state_kind: Kind) -> (Kind, Vec<i64>) {
+    /// The dtype and shape this spec expects for a parameter of shape `param_shape` whose state
+    /// dtype is `state_kind`.
+    pub(crate) fn expected_shape(&self, param_shape: &[i64], state_kind: Kind) -> (Kind, Vec<i64>) {
         let kind = if self.fp32 { Kind::Float } else { state_kind };
         let shape = match self.shape {
-            StateShape::LikeParam => param.size(),
+            StateShape::LikeParam => param_shape.to_vec(),
             StateShape::Scalar => Vec::new(),
         };
         (kind, shape)
@@ -299,6 +299,9 @@ pub struct GroupView<'a> {
     pub(crate) hyper: &'a HyperParams,
     pub(crate) step: u64,
     pub(crate) params: Vec<ParamView<'a>>,
+    /// The global gradient norm over every parameter of every group, when the rule sees only
+    /// some of them (a sharded optimizer, or one parameter at a time).
+    pub(crate) global_grad_norm: Option<Tensor>,
 }
 
 impl<'a> GroupView<'a> {

@@ -49,6 +49,7 @@ pub struct OptimizerConfig {
     algorithm: Algorithm,
     maximize: bool,
     fused: bool,
+    state_dtype: Option<Kind>,
 }
 
 /// The optimizer and its hyper-parameters.
@@ -77,7 +78,7 @@ pub enum Algorithm {
 
 impl From<Algorithm> for OptimizerConfig {
     fn from(algorithm: Algorithm) -> Self {
-        OptimizerConfig { algorithm, maximize: false, fused: false }
+        OptimizerConfig { algorithm, maximize: false, fused: false, state_dtype: None }
     }
 }
 macro_rules! config_from {
@@ -109,6 +110,27 @@ impl OptimizerConfig {
     pub fn fused(mut self, on: bool) -> Self {
         self.fused = on;
         self
+    }
+
+    /// Keep the state tensors shaped like their parameter (Adam's `exp_avg` and `exp_avg_sq`,
+    /// momentum buffers, ...) in `kind` between steps: `Kind::BFloat16` halves their memory (Adam:
+    /// 4 bytes per parameter instead of 8). The update itself runs in fp32: before a parameter's
+    /// update its state is widened to fp32, afterwards rounded (to nearest) back, so each step
+    /// rounds the state once; fp16/bf16 parameters without masters are then updated in fp32
+    /// copies too. The rule runs one parameter at a time (LAMB gets its global gradient norm), so
+    /// the fp32 copies of one parameter's state exist at once. Default: the dtype the state is
+    /// computed in (fp32 for fp32 parameters and masters). `Kind::Float` restores the default;
+    /// any other dtype is [`ConfigError::InvalidOption`] when the optimizer is built (fp16's
+    /// range would flush Adam's second moments to zero). Records and checkpoints hold the state
+    /// in `kind`; a torch file's fp32 state loads rounded to it.
+    pub fn state_dtype(mut self, kind: Kind) -> Self {
+        self.state_dtype = if kind == Kind::Float { None } else { Some(kind) };
+        self
+    }
+
+    /// The dtype state is stored in between steps (`None`: the dtype it is computed in).
+    pub fn stored_state_dtype(&self) -> Option<Kind> {
+        self.state_dtype
     }
 
     /// The optimizer and its hyper-parameters.
@@ -233,7 +255,7 @@ impl OptimizerConfig {
             Algorithm::FusedAdagrad(_) => Algorithm::FusedAdagrad(FusedAdagrad::from_hyper(h)?),
         };
         let maximize = if self.is_apex() { false } else { h.flag("maximize")? };
-        Ok(OptimizerConfig { algorithm, maximize, fused: self.fused })
+        Ok(OptimizerConfig { algorithm, maximize, fused: self.fused, state_dtype: self.state_dtype })
     }
 
     /// The hyper-parameters Apex reads from the optimizer, not from a group (`adam_w_mode`,
@@ -305,6 +327,13 @@ impl OptimizerConfig {
                 value: format!("{:?}", self.algorithm),
                 expected: "Adam or AdamW (tch-amp has no fused kernel for SGD or RMSprop; Apex's optimizers run \
                            their own algorithm): drop .fused(true)",
+            }));
+        }
+        if let Some(kind) = self.state_dtype.filter(|k| *k != Kind::BFloat16) {
+            return Err(AmpError::Config(ConfigError::InvalidOption {
+                option: "state_dtype",
+                value: format!("{kind:?}"),
+                expected: "Kind::BFloat16 (stored state, fp32 arithmetic) or Kind::Float (the default)",
             }));
         }
         if self.maximize && self.is_apex() {
@@ -426,7 +455,7 @@ impl UpdateRule for BuiltinRule {
             _ => {}
         }
         for g in groups.iter_mut() {
-            let OptimizerConfig { algorithm, maximize, fused } = self.config.with_hyper(g.hyper())?;
+            let OptimizerConfig { algorithm, maximize, fused, .. } = self.config.with_hyper(g.hyper())?;
             let lr = g.lr();
             // fused: the group's Adam/AdamW parameters in one kernel call.
             let mut batch = FusedBatch::default();

@@ -64,15 +64,15 @@ impl CheckpointScalers for Amp {
     }
 
     fn scaler_state(&self) -> Value {
-        super::state_dict::state_value(self.scalers())
+        super::state_value(self.scalers())
     }
 
     fn check_scaler_state(&self, state: &Node<'_>) -> Result<()> {
-        self.check_state_dict(&super::state_dict::to_json(state)?).map(|_| ())
+        self.check_state_dict(state).map(|_| ())
     }
 
     fn apply_scaler_state(&mut self, state: &Node<'_>) -> Result<()> {
-        let parsed = self.check_state_dict(&super::state_dict::to_json(state)?)?;
+        let parsed = self.check_state_dict(state)?;
         self.apply_checked_state(parsed);
         Ok(())
     }

@@ -13,5 +13,4 @@ pub(crate) use scale_loss::ScaleLossOptions;
 pub use scale_loss::ScaleLossOutcome;
 pub(crate) use scaler::Collapse;
 pub use scaler::{LossScaler, ScaleChange, ScaleChangeReason, ScalerState};
-pub use state_dict::AmpState;
-pub(crate) use state_dict::{apply_state, parse_state, state_dict, ParsedState};
+pub(crate) use state_dict::{amp_state, amp_state_value, apply_state, parse_state, state_value, AmpState, ParsedState};

@@ -1,33 +1,129 @@
-//! `amp.state_dict()` / `amp.load_state_dict()`: the loss scalers' state in Apex's JSON form
-//! (`{"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}, ...}`), also accepting torch's
-//! `GradScaler.state_dict()` keys. Validated in full before anything is applied.
+//! `amp.state_dict()` / `amp.load_state_dict()`: the loss scalers' state as the `torch.save`
+//! value Apex writes (`{'loss_scaler0': {'loss_scale': 65536.0, 'unskipped': 0}, ...}`), also
+//! accepting torch's `GradScaler.state_dict()` keys. Validated in full before anything is applied.
 use std::collections::BTreeMap;
-
-use serde_json::Value;
 
 use super::scaler::{LossScaler, ScalerState};
 use crate::error::{mismatch, Result, TorchContext};
-use crate::torch_io::{Dict, Key, Node, Value as TorchValue};
+use crate::torch_io::{Dict, Key, Node, Value};
 
-/// The scalers' state, keyed `loss_scaler0`, `loss_scaler1`, ... (a `BTreeMap`: stable files).
-pub type AmpState = BTreeMap<String, ScalerState>;
+/// The scalers' state keyed `loss_scaler0`, `loss_scaler1`, ..., as tch-amp's own checkpoint
+/// format records it (a `BTreeMap`: stable files).
+pub(crate) type AmpState = BTreeMap<String, ScalerState>;
 
 const GRAD_SCALER_KEYS: [&str; 5] = ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"];
 
-/// The scalers' state in Apex's form (see [`crate::Amp::state_dict`]).
-pub(crate) fn state_dict(scalers: &[LossScaler]) -> AmpState {
+/// The scalers' state for tch-amp's own checkpoint format.
+pub(crate) fn amp_state(scalers: &[LossScaler]) -> AmpState {
     scalers.iter().enumerate().map(|(i, s)| (format!("loss_scaler{i}"), s.state())).collect()
 }
 
-/// Checks `state` (Apex's form or a GradScaler dict) against `scalers` without applying it.
-pub(crate) fn parse_state(scalers: &[LossScaler], state: &Value) -> Result<ParsedState> {
-    let obj = state.as_object().ok_or_else(|| mismatch("the amp state must be a JSON object"))?;
-    let n = scalers.len();
-    if obj.keys().any(|k| GRAD_SCALER_KEYS.contains(&k.as_str())) {
-        return parse_grad_scaler(scalers, obj);
+/// Apex's `amp.state_dict()` as a `torch.save` value: an OrderedDict `loss_scaler0`,
+/// `loss_scaler1`, ... (in loss order: Apex's load_state_dict assigns them in the dict's order)
+/// of `{'loss_scale': float, 'unskipped': int}` (plus tch-amp's `hysteresis_left` /
+/// `recovery_target` when set; Apex reads only its two keys).
+pub(crate) fn state_value(scalers: &[LossScaler]) -> Value {
+    states_value(scalers.iter().map(LossScaler::state))
+}
+
+/// [`AmpState`] (tch-amp's own checkpoint format) as the value [`parse_state`] reads.
+pub(crate) fn amp_state_value(state: &AmpState) -> Value {
+    let mut d = Dict::new_ordered();
+    for (key, s) in state {
+        d.insert(key.as_str(), scaler_value(s));
     }
-    let mut parsed = Vec::with_capacity(n);
-    for key in obj.keys() {
+    Value::Dict(d)
+}
+
+fn states_value(states: impl Iterator<Item = ScalerState>) -> Value {
+    let mut d = Dict::new_ordered();
+    for (i, st) in states.enumerate() {
+        d.insert(format!("loss_scaler{i}"), scaler_value(&st));
+    }
+    Value::Dict(d)
+}
+
+fn scaler_value(st: &ScalerState) -> Value {
+    let mut e = Dict::new()
+        .with("loss_scale", Value::Float(st.loss_scale))
+        .with("unskipped", Value::Int(i64::try_from(st.unskipped).unwrap_or(i64::MAX)));
+    if let Some(h) = st.hysteresis_left {
+        e.insert("hysteresis_left", Value::Int(h.into()));
+    }
+    if let Some(t) = st.recovery_target {
+        e.insert("recovery_target", Value::Float(t));
+    }
+    Value::Dict(e)
+}
+
+/// The entries of a dict node with string keys.
+fn named_entries<'a>(node: &Node<'a>) -> Result<Vec<(&'a str, Node<'a>)>> {
+    node.entries()
+        .map_err(|e| mismatch(e.to_string()))?
+        .into_iter()
+        .map(|(k, v)| match k {
+            Key::Str(s) => Ok((s.as_str(), v)),
+            Key::Int(i) => {
+                Err(mismatch(format!("{}: has the int key {i}; the amp state's keys are names", node.path())))
+            }
+        })
+        .collect()
+}
+
+/// A number: an int, a float or a one-element tensor (a `GradScaler`'s scale may be saved as
+/// either).
+fn number(node: &Node<'_>) -> Result<f64> {
+    match node.value() {
+        Value::Tensor(t) if t.numel() == 1 => {
+            t.f_reshape([]).and_then(|t| t.f_double_value(&[])).ctx("reading the amp state")
+        }
+        _ => node.as_f64().map_err(|e| mismatch(e.to_string())),
+    }
+}
+
+/// A non-negative int within `T`.
+fn count<T: TryFrom<i64>>(node: &Node<'_>) -> Result<T> {
+    let i = node.as_i64().map_err(|e| mismatch(e.to_string()))?;
+    T::try_from(i).map_err(|_| mismatch(format!("{}: {i} is out of range", node.path())))
+}
+
+/// One scaler's `{'loss_scale', 'unskipped'[, 'hysteresis_left', 'recovery_target']}`.
+fn scaler_state(node: &Node<'_>) -> Result<ScalerState> {
+    let (mut loss_scale, mut unskipped, mut hysteresis_left, mut recovery_target) = (None, None, None, None);
+    for (key, v) in named_entries(node)? {
+        match key {
+            "loss_scale" => loss_scale = Some(number(&v)?),
+            "unskipped" => unskipped = Some(count(&v)?),
+            "hysteresis_left" => hysteresis_left = Some(count(&v)?),
+            "recovery_target" => recovery_target = Some(number(&v)?),
+            other => {
+                return Err(mismatch(format!(
+                    "{}: unknown key {other:?} (expected loss_scale, unskipped, hysteresis_left, recovery_target)",
+                    node.path()
+                )))
+            }
+        }
+    }
+    let missing = |key: &str| mismatch(format!("{}: missing {key:?}", node.path()));
+    Ok(ScalerState {
+        loss_scale: loss_scale.ok_or_else(|| missing("loss_scale"))?,
+        unskipped: unskipped.ok_or_else(|| missing("unskipped"))?,
+        hysteresis_left,
+        recovery_target,
+    })
+}
+
+/// Checks `state` (Apex's form or a GradScaler dict) against `scalers` without applying it.
+pub(crate) fn parse_state(scalers: &[LossScaler], state: &Node<'_>) -> Result<ParsedState> {
+    if !matches!(state.value(), Value::Dict(_)) {
+        return Err(mismatch(format!("the amp state must be a dict, found a {}", state.value().type_name())));
+    }
+    let entries = named_entries(state)?;
+    let n = scalers.len();
+    if entries.iter().any(|(k, _)| GRAD_SCALER_KEYS.contains(k)) {
+        return parse_grad_scaler(scalers, &entries);
+    }
+    for (key, _) in &entries {
         let idx = key.strip_prefix("loss_scaler").and_then(|d| d.parse::<usize>().ok()).ok_or_else(|| {
             mismatch(format!("unexpected key {key:?} (expected loss_scaler0..loss_scaler{})", n.saturating_sub(1)))
         })?;
@@ -35,13 +131,18 @@ pub(crate) fn parse_state(scalers: &[LossScaler], state: &Value) -> Result<Parse
             return Err(mismatch(format!("{key} is beyond num_losses = {n}")));
         }
     }
-    if obj.len() != n {
-        return Err(mismatch(format!("the state holds {} loss scalers, this Amp has num_losses = {n}", obj.len())));
+    if entries.len() != n {
+        return Err(mismatch(format!("the state holds {} loss scalers, this Amp has num_losses = {n}", entries.len())));
     }
+    let mut parsed = Vec::with_capacity(n);
     for (i, scaler) in scalers.iter().enumerate() {
         let key = format!("loss_scaler{i}");
-        let v = obj.get(&key).ok_or_else(|| mismatch(format!("missing {key}")))?;
-        let s: ScalerState = serde_json::from_value(v.clone()).map_err(|e| mismatch(format!("{key}: {e}")))?;
+        let node = entries
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v)
+            .ok_or_else(|| mismatch(format!("missing {key}")))?;
+        let s = scaler_state(node)?;
         scaler.check_state(&s, scaler.growth_interval()).map_err(|e| mismatch(format!("{key}: {e}")))?;
         parsed.push(s);
     }
@@ -64,8 +165,8 @@ pub(crate) fn apply_state(scalers: &mut [LossScaler], parsed: ParsedState) {
     }
 }
 
-fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value>) -> Result<ParsedState> {
-    if let Some(k) = obj.keys().find(|k| !GRAD_SCALER_KEYS.contains(&k.as_str())) {
+fn parse_grad_scaler(scalers: &[LossScaler], entries: &[(&str, Node<'_>)]) -> Result<ParsedState> {
+    if let Some((k, _)) = entries.iter().find(|(k, _)| !GRAD_SCALER_KEYS.contains(k)) {
         return Err(mismatch(format!("unexpected key {k:?} in a GradScaler state")));
     }
     if scalers.len() != 1 {
@@ -75,10 +176,7 @@ fn parse_grad_scaler(scalers: &[LossScaler], obj: &serde_json::Map<String, Value
         )));
     }
     let num = |k: &str| -> Result<Option<f64>> {
-        match obj.get(k) {
-            None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| mismatch(format!("{k} must be a number"))),
-        }
+        entries.iter().find(|(key, _)| *key == k).map(|(_, v)| number(v)).transpose()
     };
     let current = &scalers[0];
     let (g0, b0) = current.factors();
@@ -118,59 +216,3 @@ pub(crate) enum ParsedState {
 /// The largest growth interval a GradScaler state may carry: 2^53, where f64 still counts
 /// exactly (a larger one never grows anyway).
 const MAX_INTERVAL: f64 = 9_007_199_254_740_992.0;
-
-/// Apex's `amp.state_dict()` as a `torch.save` value: an OrderedDict `loss_scaler0`,
-/// `loss_scaler1`, ... (in loss order: Apex's load_state_dict assigns them in the dict's order)
-/// of `{'loss_scale': float, 'unskipped': int}` (plus tch-amp's `hysteresis_left` /
-/// `recovery_target` when set; Apex reads only its two keys).
-pub(crate) fn state_value(scalers: &[LossScaler]) -> TorchValue {
-    let mut d = Dict::new_ordered();
-    for (i, s) in scalers.iter().enumerate() {
-        let st = s.state();
-        let mut e = Dict::new()
-            .with("loss_scale", TorchValue::Float(st.loss_scale))
-            .with("unskipped", TorchValue::Int(i64::try_from(st.unskipped).unwrap_or(i64::MAX)));
-        if let Some(h) = st.hysteresis_left {
-            e.insert("hysteresis_left", TorchValue::Int(h.into()));
-        }
-        if let Some(t) = st.recovery_target {
-            e.insert("recovery_target", TorchValue::Float(t));
-        }
-        d.insert(format!("loss_scaler{i}"), TorchValue::Dict(e));
-    }
-    TorchValue::Dict(d)
-}
-
-/// An amp state read from a `torch.save` file (numbers, strings, containers) as the JSON
-/// [`parse_state`] checks.
-pub(crate) fn to_json(node: &Node<'_>) -> Result<Value> {
-    let bad = |message: &str| mismatch(format!("{}: {message}", node.path()));
-    Ok(match node.value() {
-        TorchValue::None => Value::Null,
-        TorchValue::Bool(b) => Value::Bool(*b),
-        TorchValue::Int(i) => Value::from(*i),
-        TorchValue::Float(f) => {
-            Value::Number(serde_json::Number::from_f64(*f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        TorchValue::Str(s) => Value::String(s.clone()),
-        TorchValue::Tensor(t) if t.numel() == 1 => {
-            let f = t.f_reshape([]).and_then(|t| t.f_double_value(&[])).ctx("reading the amp state")?;
-            Value::Number(serde_json::Number::from_f64(f).ok_or_else(|| bad("a loss scaler state must be finite"))?)
-        }
-        TorchValue::List(_) | TorchValue::Tuple(_) => Value::Array(
-            node.elements().map_err(|e| mismatch(e.to_string()))?.iter().map(to_json).collect::<Result<_>>()?,
-        ),
-        TorchValue::Dict(_) => {
-            let mut m = serde_json::Map::new();
-            for (k, v) in node.entries().map_err(|e| mismatch(e.to_string()))? {
-                let key = match k {
-                    Key::Str(s) => s.clone(),
-                    Key::Int(i) => return Err(bad(&format!("has the int key {i}; the amp state's keys are names"))),
-                };
-                m.insert(key, to_json(&v)?);
-            }
-            Value::Object(m)
-        }
-        other => return Err(bad(&format!("a {} in the amp state", other.type_name()))),
-    })
-}

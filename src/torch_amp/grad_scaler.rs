@@ -312,7 +312,11 @@ impl GradScaler {
             }
             Stage::Ready => {}
         }
-        let found_inf = self.unscale_grads(&optimizer.params())?;
+        let mut found_inf = self.unscale_grads(&optimizer.params())?;
+        // A sharded optimizer's ranks each checked their shard: they agree on one flag.
+        let mut flags: Vec<Tensor> = found_inf.iter().map(|(_, f)| f.shallow_clone()).collect();
+        optimizer.agree_on_overflow(&mut flags)?;
+        found_inf = flags.into_iter().map(|f| (f.device(), f)).collect();
         let state = self.state_mut(optimizer_id(optimizer));
         state.found_inf = found_inf;
         state.stage = Stage::Unscaled;

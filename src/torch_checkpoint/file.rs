@@ -1,4 +1,5 @@
 //! Loading and saving `torch.save` checkpoints (see the module above).
+use std::collections::HashMap;
 use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
@@ -10,7 +11,7 @@ use super::{model, optim};
 #[cfg(doc)]
 use crate::amp::Amp;
 use crate::error::{AmpError, ConfigError, Result, StateError};
-use crate::optim::amp_optimizer::ParamLayout;
+use crate::optim::amp_optimizer::{CheckedRecord, ParamLayout};
 use crate::optim::{AmpOptimizer, OptimizerConfig, OptimizerRecord};
 use crate::scaling::CheckpointScalers;
 use crate::torch_io::{self, Dict, Key, LoadOptions, Node, Value};
@@ -62,7 +63,7 @@ pub fn load_torch_checkpoint<S: CheckpointScalers + ?Sized>(
     scalers: &mut S,
     options: &TorchLoadOptions,
 ) -> Result<TorchLoadReport> {
-    let load = LoadOptions::new().map_location(options.map_location.unwrap_or(vs.device()));
+    let load = LoadOptions::new().map_location(options.map_location.unwrap_or(vs.device())).limits(options.limits);
     let value = torch_io::load_with(path, &load)?;
     load_torch_checkpoint_value(value, vs, optimizers, scalers, options)
 }
@@ -97,24 +98,7 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     )?;
     let checked_model = model::check(&model_node, vs, options)?;
     let scaler_key = options.scaler_key(scalers.torch_key());
-    let scaler_node = match &scaler_key {
-        Some(key) => match root.get_opt(key.as_str())? {
-            Some(node) => {
-                scalers.check_scaler_state(&node)?;
-                Some(node)
-            }
-            None if options.amp_required => {
-                return Err(AmpError::State(StateError::MissingEntry {
-                    key: key.clone(),
-                    holds: "the loss scalers' state",
-                    remedy: "name its entry with TorchLoadOptions::amp_key(Some(key), true), or load without it \
-                             (the scalers keep their state) with TorchLoadOptions::amp_key(None, false)",
-                }))
-            }
-            None => None,
-        },
-        None => None,
-    };
+    let scaler_node = check_scaler_entry(&root, &*scalers, scaler_key.as_ref(), options)?;
     let mut report = TorchLoadReport {
         stripped_prefix: checked_model.prefix.clone(),
         missing: checked_model.missing.clone(),
@@ -129,9 +113,92 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     let vars = vs.variables();
     let mut model_overrides: Vec<(Tensor, Tensor)> = Vec::new();
     let mut checked_records = Vec::with_capacity(optimizers.len());
+    let reading = OptimizerEntries { root: &root, options, model: &checked_model, vars: &vars };
     for (i, o) in optimizers.iter().enumerate() {
+        checked_records.push(reading.check(o, i, &mut model_overrides, &mut report)?);
+    }
+
+    // Phase 2: apply (every check passed).
+    {
+        let _no_grad = tch::no_grad_guard();
+        for (var, value) in checked_model.copies.iter().chain(&model_overrides) {
+            let mut v = var.shallow_clone();
+            v.f_copy_(value).map_err(|source| AmpError::Torch { context: "restoring a model variable", source })?;
+        }
+    }
+    for (o, r) in optimizers.iter_mut().zip(checked_records) {
+        o.apply_checked(r)?;
+    }
+    if let Some(node) = &scaler_node {
+        scalers.apply_scaler_state(node)?;
+    }
+    let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
+    consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
+    if report.amp_loaded {
+        consumed.extend(scaler_key.as_deref());
+    }
+    consumed.extend(options.master_params.values().map(String::as_str));
+    report.entries = leftover_entries(checkpoint, &consumed);
+    Ok(report)
+}
+
+/// The scalers' entry, checked against them: `None` when the scalers have no key, or the file
+/// has no such entry and the options allow that.
+fn check_scaler_entry<'a, S: CheckpointScalers + ?Sized>(
+    root: &Node<'a>,
+    scalers: &S,
+    key: Option<&String>,
+    options: &TorchLoadOptions,
+) -> Result<Option<Node<'a>>> {
+    let Some(key) = key else { return Ok(None) };
+    match root.get_opt(key.as_str())? {
+        Some(node) => {
+            scalers.check_scaler_state(&node)?;
+            Ok(Some(node))
+        }
+        None if options.amp_required => Err(AmpError::State(StateError::MissingEntry {
+            key: key.clone(),
+            holds: "the loss scalers' state",
+            remedy: "name its entry with TorchLoadOptions::amp_key(Some(key), true), or load without it \
+                     (the scalers keep their state) with TorchLoadOptions::amp_key(None, false)",
+        })),
+        None => Ok(None),
+    }
+}
+
+/// The checkpoint's entries no part of the load read, in the file's order.
+fn leftover_entries(mut checkpoint: Value, consumed: &[&str]) -> Dict {
+    let Value::Dict(d) = &mut checkpoint else { return Dict::new() };
+    let mut d = std::mem::take(d);
+    for k in consumed {
+        d.remove(&Key::from(*k));
+    }
+    d
+}
+
+/// What reading the optimizers' entries shares: the checkpoint, the options, the checked model
+/// and the VarStore's variables.
+struct OptimizerEntries<'a, 'n> {
+    root: &'a Node<'n>,
+    options: &'a TorchLoadOptions,
+    model: &'a model::CheckedModel,
+    vars: &'a HashMap<String, Tensor>,
+}
+
+impl OptimizerEntries<'_, '_> {
+    /// Optimizer `i`'s entry read and checked into a record to apply: its state in torch's
+    /// parameter order, the masters from the model's fp32 values (or Apex's 'master params'),
+    /// what it converted and left unread noted in `report`.
+    fn check(
+        &self,
+        o: &AmpOptimizer,
+        i: usize,
+        model_overrides: &mut Vec<(Tensor, Tensor)>,
+        report: &mut TorchLoadReport,
+    ) -> Result<CheckedRecord> {
+        let (root, options, checked_model, vars) = (self.root, self.options, self.model, self.vars);
         let node = entry(
-            &root,
+            root,
             &options.optimizer_keys[i],
             "an optimizer's state dict",
             "name each optimizer's entry with TorchLoadOptions::optimizer_keys (one key per optimizer given), or \
@@ -163,56 +230,27 @@ pub fn load_torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
         // Apex-era 'master params': the masters (or the fp32 parameters themselves), in torch order.
         if let Some(key) = options.master_params.get(&i) {
             let list = entry(
-                &root,
+                root,
                 key,
                 "the optimizer's master parameters",
                 "name it with TorchLoadOptions::master_params(optimizer, key), or leave that option out for a \
                  file without one",
             )?;
             let flat: Vec<&String> = order.iter().flatten().collect();
-            let read = MasterParams { list: &list, flat: &flat, optimizer: o, index: i, layout: &layout, vars: &vars };
-            read.apply(&mut record, &mut model_overrides, &mut report.converted)?;
+            let read = MasterParams { list: &list, flat: &flat, optimizer: o, index: i, layout: &layout, vars };
+            read.apply(&mut record, model_overrides, &mut report.converted)?;
         }
-        checked_records.push(o.check_record(record).map_err(|e| match e {
+        let checked = o.check_record(record).map_err(|e| match e {
             AmpError::State(StateError::StateMismatch { message }) => {
                 AmpError::State(StateError::StateMismatch { message: format!("optimizer {i}: {message}") })
             }
             other => other,
-        })?);
+        })?;
         report.converted.extend(loaded.converted);
         report.ignored_group_keys.extend(loaded.ignored_keys);
         report.param_orders.push(order);
+        Ok(checked)
     }
-
-    // Phase 2: apply (every check passed).
-    {
-        let _no_grad = tch::no_grad_guard();
-        for (var, value) in checked_model.copies.iter().chain(&model_overrides) {
-            let mut v = var.shallow_clone();
-            v.f_copy_(value).map_err(|source| AmpError::Torch { context: "restoring a model variable", source })?;
-        }
-    }
-    for (o, r) in optimizers.iter_mut().zip(checked_records) {
-        o.apply_checked(r)?;
-    }
-    if let Some(node) = &scaler_node {
-        scalers.apply_scaler_state(node)?;
-    }
-    let mut checkpoint = checkpoint;
-    if let Value::Dict(d) = &mut checkpoint {
-        let mut d = std::mem::take(d);
-        let mut consumed: Vec<&str> = vec![options.model_key.as_str()];
-        consumed.extend(options.optimizer_keys.iter().take(optimizers.len()).map(String::as_str));
-        if report.amp_loaded {
-            consumed.extend(scaler_key.as_deref());
-        }
-        consumed.extend(options.master_params.values().map(String::as_str));
-        for k in consumed {
-            d.remove(&Key::from(k));
-        }
-        report.entries = d;
-    }
-    Ok(report)
 }
 
 /// The call's options against the call: one optimizer key per optimizer given, and no
@@ -326,8 +364,14 @@ impl MasterParams<'_, '_> {
 /// [`ConfigError::OptionsMismatch`] for options that do not fit the call (a key per
 /// optimizer, no entry named like the model, optimizer, scaler or master-parameter entry, a
 /// `param_order` that covers the optimizer's parameters once and keeps each group to one set of
-/// values, `tied` names of a variable and of no variable); [`ConfigError::NoTorchForm`](crate::error::ConfigError::NoTorchForm)
-/// for an optimizer running a user's rule; [`AmpError::Torch`] if a tensor cannot be read.
+/// values, `tied` names of a variable and of no variable);
+/// [`ConfigError::NoTorchForm`](crate::error::ConfigError::NoTorchForm) for an optimizer running
+/// a user's rule; [`AmpError::Torch`] if a tensor cannot be read;
+/// [`UsageError::NotConsolidated`](crate::error::UsageError::NotConsolidated) for a sharded
+/// optimizer whose state was not gathered on this rank
+/// ([`AmpOptimizer::consolidate_state_dict`], as torch's `consolidate_state_dict(to=0)` before
+/// `torch.save` on rank 0: the file is then the one torch's `ZeroRedundancyOptimizer` writes
+/// and loads, a plain torch.optim state dict).
 pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     vs: &VarStore,
     optimizers: &[&AmpOptimizer],
@@ -365,7 +409,8 @@ pub fn torch_checkpoint_value<S: CheckpointScalers + ?Sized>(
     if let Some(dup) = keys.iter().find(|k| !seen.insert(**k)) {
         return Err(options_err(format!("the key {dup:?} is used twice in the checkpoint dict")));
     }
-    let records: Vec<OptimizerRecord> = optimizers.iter().map(|o| o.to_record()).collect();
+    let records: Vec<OptimizerRecord> =
+        optimizers.iter().map(|o| o.consolidated_record()).collect::<std::result::Result<_, AmpError>>()?;
     let mut root = Dict::new();
     for (k, v) in &options.entries {
         root.insert(k.as_str(), v.shallow_clone());

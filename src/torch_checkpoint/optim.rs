@@ -494,6 +494,20 @@ pub(super) fn resolve_order(
         })?;
         return Ok(order);
     }
+    order_from_model(optimizer, index, model_order, &sizes)
+}
+
+/// The order of a file without `param_names`: the model's parameter order (what
+/// `model.parameters()` gives, as the model state dict lists it), grouped as the optimizer's
+/// groups when their sizes are the file's, else cut into the file's group sizes, each cut
+/// within one tch group.
+fn order_from_model(
+    optimizer: &AmpOptimizer,
+    index: usize,
+    model_order: &[String],
+    sizes: &[usize],
+) -> Result<TorchParamOrder> {
+    let names = optimizer.param_names();
     let ours: BTreeSet<&str> = names.iter().copied().collect();
     let in_model: Vec<&String> = model_order.iter().filter(|n| ours.contains(n.as_str())).collect();
     if in_model.len() != names.len() {
@@ -522,7 +536,7 @@ pub(super) fn resolve_order(
     // The model order cut into the file's group sizes, each cut within one tch group.
     let mut order = Vec::with_capacity(sizes.len());
     let mut at = 0;
-    for &n in &sizes {
+    for &n in sizes {
         order.push(in_model[at..at + n].iter().map(|s| s.to_string()).collect::<Vec<String>>());
         at += n;
     }
@@ -689,6 +703,10 @@ fn in_group(kind: &str, buf: &str) -> bool {
     kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS
 }
 
+/// What [`Reading::read_groups`] gives: per optimizer group, the values the file gives it; the
+/// first group's learning rate; the group keys left unread.
+type GroupsRead = (BTreeMap<usize, Given>, Option<f64>, Vec<String>);
+
 impl<'a, 'n> Reading<'a, 'n> {
     /// Hyper-parameters, learning rates and Apex's group steps, file group by file group, given
     /// to the optimizer's groups their parameters are in; the first group's learning rate; the
@@ -699,7 +717,7 @@ impl<'a, 'n> Reading<'a, 'n> {
         order: &TorchParamOrder,
         current: &OptimizerRecord,
         strict_hyper: bool,
-    ) -> Result<(BTreeMap<usize, Given>, Option<f64>, Vec<String>)> {
+    ) -> Result<GroupsRead> {
         let (index, class) = (self.index, self.class);
         let mut given: BTreeMap<usize, Given> = BTreeMap::new();
         let mut first_lr = None;
@@ -1151,31 +1169,8 @@ pub(super) fn record_to_value(
     })?;
     let position: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let fused = optimizer.config().is_some_and(|c| c.is_fused());
-    // Each parameter group's settings (a record made by hand in the older form has no groups:
-    // the defaults with per-group learning rates).
     let own = optimizer.to_record();
-    let settings: Vec<Settings<'_>> = if record.groups.is_empty() {
-        own.groups
-            .iter()
-            .map(|g| Settings {
-                lr: record.group_lr.get(&g.id).copied().unwrap_or(record.lr),
-                hyper: &record.hyper_parameters,
-                step: g.step,
-            })
-            .collect()
-    } else {
-        if record.groups.len() != own.groups.len() {
-            return Err(AmpError::Config(ConfigError::OptionsMismatch {
-                message: format!(
-                    "optimizer {index}: the record has {} parameter groups, the optimizer {}",
-                    record.groups.len(),
-                    own.groups.len()
-                ),
-            }));
-        }
-        record.groups.iter().map(|g| Settings { lr: g.lr, hyper: &g.hyper_parameters, step: g.step }).collect()
-    };
-    let param_order: Vec<&str> = class.keys.iter().map(|(k, _)| *k).collect();
+    let settings = group_settings(record, &own, index)?;
     let mut state = Dict::new();
     let mut groups = Vec::with_capacity(order.len());
     let mut next: i64 = 0;
@@ -1188,53 +1183,12 @@ pub(super) fn record_to_value(
             let this = layout[pos].slot;
             match slot {
                 Some((s, first)) if s != this => {
-                    let (a, b) = (&settings[s], &settings[this]);
-                    if a.lr.to_bits() != b.lr.to_bits() {
-                        return Err(AmpError::Config(ConfigError::OptionsMismatch {
-                            message: format!(
-                                "param_order of optimizer {index}: group {gi} holds parameters with learning rates \
-                                 {:?} ({first}) and {:?} ({name}); torch keeps one per group",
-                                a.lr, b.lr
-                            ),
-                        }));
-                    }
-                    let differs =
-                        param_order.iter().flat_map(|k| if *k == "betas" { vec!["beta1", "beta2"] } else { vec![*k] });
-                    for k in differs {
-                        let (x, y) = (a.hyper.get(k), b.hyper.get(k));
-                        if x.map(|v| v.to_bits()) != y.map(|v| v.to_bits()) {
-                            return Err(AmpError::Config(ConfigError::OptionsMismatch {
-                                message: format!(
-                                    "param_order of optimizer {index}: group {gi} holds parameters with {k} {x:?} \
-                                     ({first}) and {y:?} ({name}); torch keeps one value per group"
-                                ),
-                            }));
-                        }
-                    }
+                    one_group_setting(&settings[s], &settings[this], class, [first, name.as_str()], index, gi)?
                 }
                 Some(_) => {}
                 None => slot = Some((this, name.as_str())),
             }
-            let keeps_state = !p.buffers.keys().all(|b| class.kind == FUSED_NOVOGRAD.kind && b == NOVOGRAD_NORMS)
-                || (class.param_step && p.step > 0);
-            if keeps_state {
-                let mut st = Dict::new();
-                if class.param_step {
-                    let step = p.step.min(TORCH_STEP_LIMIT) as f64;
-                    st.insert(
-                        "step",
-                        Value::Tensor(Tensor::f_scalar_tensor(step, (Kind::Float, Device::Cpu)).ctx("step")?),
-                    );
-                }
-                // The rule's buffers, in torch's order where torch has one.
-                let mut bufs: Vec<&String> = p.buffers.keys().collect();
-                bufs.sort_by_key(|b| (buffer_rank(b), b.to_string()));
-                for buf in bufs {
-                    if class.kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS {
-                        continue;
-                    }
-                    st.insert(buf.as_str(), Value::Tensor(p.buffers[buf].f_detach().ctx("optimizer state")?));
-                }
+            if let Some(st) = param_state(p, class)? {
                 state.insert(next, Value::Dict(st));
             }
             ids.push(Value::Int(next));
@@ -1257,6 +1211,92 @@ pub(super) fn record_to_value(
         groups.push(Value::Dict(g));
     }
     Ok(Value::Dict(Dict::new().with("state", Value::Dict(state)).with("param_groups", Value::List(groups))))
+}
+
+/// Each parameter group's settings (a record made by hand in the older form has no groups:
+/// the defaults with per-group learning rates).
+fn group_settings<'r>(record: &'r OptimizerRecord, own: &OptimizerRecord, index: usize) -> Result<Vec<Settings<'r>>> {
+    if record.groups.is_empty() {
+        return Ok(own
+            .groups
+            .iter()
+            .map(|g| Settings {
+                lr: record.group_lr.get(&g.id).copied().unwrap_or(record.lr),
+                hyper: &record.hyper_parameters,
+                step: g.step,
+            })
+            .collect());
+    }
+    if record.groups.len() != own.groups.len() {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!(
+                "optimizer {index}: the record has {} parameter groups, the optimizer {}",
+                record.groups.len(),
+                own.groups.len()
+            ),
+        }));
+    }
+    Ok(record.groups.iter().map(|g| Settings { lr: g.lr, hyper: &g.hyper_parameters, step: g.step }).collect())
+}
+
+/// Two parameters the order puts in torch group `gi` (`names`: the first one's, this one's)
+/// come from tch-amp groups with the same learning rate and hyper-parameters: torch keeps one
+/// value per group.
+fn one_group_setting(
+    a: &Settings<'_>,
+    b: &Settings<'_>,
+    class: &Class,
+    names: [&str; 2],
+    index: usize,
+    gi: usize,
+) -> Result<()> {
+    let [first, name] = names;
+    if a.lr.to_bits() != b.lr.to_bits() {
+        return Err(AmpError::Config(ConfigError::OptionsMismatch {
+            message: format!(
+                "param_order of optimizer {index}: group {gi} holds parameters with learning rates \
+                 {:?} ({first}) and {:?} ({name}); torch keeps one per group",
+                a.lr, b.lr
+            ),
+        }));
+    }
+    let keys = class.keys.iter().flat_map(|(k, _)| if *k == "betas" { vec!["beta1", "beta2"] } else { vec![*k] });
+    for k in keys {
+        let (x, y) = (a.hyper.get(k), b.hyper.get(k));
+        if x.map(|v| v.to_bits()) != y.map(|v| v.to_bits()) {
+            return Err(AmpError::Config(ConfigError::OptionsMismatch {
+                message: format!(
+                    "param_order of optimizer {index}: group {gi} holds parameters with {k} {x:?} \
+                     ({first}) and {y:?} ({name}); torch keeps one value per group"
+                ),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// A parameter's state entry (`step` where the class keeps one per parameter, then the rule's
+/// buffers in torch's order), or `None` where torch keeps none for it.
+fn param_state(p: &ParamRecord, class: &Class) -> Result<Option<Dict>> {
+    let keeps_state = !p.buffers.keys().all(|b| class.kind == FUSED_NOVOGRAD.kind && b == NOVOGRAD_NORMS)
+        || (class.param_step && p.step > 0);
+    if !keeps_state {
+        return Ok(None);
+    }
+    let mut st = Dict::new();
+    if class.param_step {
+        let step = p.step.min(TORCH_STEP_LIMIT) as f64;
+        st.insert("step", Value::Tensor(Tensor::f_scalar_tensor(step, (Kind::Float, Device::Cpu)).ctx("step")?));
+    }
+    let mut bufs: Vec<&String> = p.buffers.keys().collect();
+    bufs.sort_by_key(|b| (buffer_rank(b), b.to_string()));
+    for buf in bufs {
+        if class.kind == FUSED_NOVOGRAD.kind && buf == NOVOGRAD_NORMS {
+            continue;
+        }
+        st.insert(buf.as_str(), Value::Tensor(p.buffers[buf].f_detach().ctx("optimizer state")?));
+    }
+    Ok(Some(st))
 }
 
 /// torch's order of a parameter's state entries (after `step`).
@@ -1342,13 +1382,22 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
     let (values, wide) = group_values(g, class)?;
     let v: BTreeMap<&str, f64> = values.iter().chain(&wide).map(|x| (x.ours, x.value)).collect();
     let on = |k: &str| v.get(k).is_some_and(|x| *x != 0.0);
-    let get = |k: &str| v.get(k).copied().unwrap_or(0.0);
     let fused = matches!(class.kind, "adam" | "adamw")
         && match g.get_opt("fused")? {
             Some(n) if !n.is_none() => n.as_bool()?,
             _ => false,
         };
-    let config: OptimizerConfig = match class.kind {
+    let config = config_of(class.kind, &v);
+    let lr = number(&g.get("lr")?)?;
+    let maximize = class.keys.iter().any(|(k, _)| *k == "maximize") && on("maximize");
+    Ok((config.maximize(maximize).fused(fused), lr))
+}
+
+/// The configuration of optimizer `kind` with the group's values `v` (absent: 0).
+fn config_of(kind: &str, v: &BTreeMap<&str, f64>) -> OptimizerConfig {
+    let on = |k: &str| v.get(k).is_some_and(|x| *x != 0.0);
+    let get = |k: &str| v.get(k).copied().unwrap_or(0.0);
+    match kind {
         "fused_sgd" => FusedSgd {
             momentum: get("momentum"),
             dampening: get("dampening"),
@@ -1421,8 +1470,5 @@ pub(super) fn config_from_node(node: &Node<'_>) -> Result<(OptimizerConfig, f64)
         }
         .into(),
         _ => FusedAdagrad { eps: get("eps"), weight_decay: get("weight_decay"), ..FusedAdagrad::default() }.into(),
-    };
-    let lr = number(&g.get("lr")?)?;
-    let maximize = class.keys.iter().any(|(k, _)| *k == "maximize") && on("maximize");
-    Ok((config.maximize(maximize).fused(fused), lr))
+    }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use tch::Device;
 
-use crate::torch_io::Value;
+use crate::torch_io::{Limits, Value};
 
 /// torch.optim's parameter order: per param group (in `param_groups` order), the VarStore names
 /// of its parameters in the order of the group's `params` list. Index `i` of torch's state
@@ -38,6 +38,7 @@ pub enum KeyPrefix {
 #[derive(Debug, Clone)]
 pub struct TorchLoadOptions {
     pub(crate) map_location: Option<Device>,
+    pub(crate) limits: Limits,
     pub(crate) strict: bool,
     pub(crate) exact_dtypes: bool,
     pub(crate) model_key: String,
@@ -55,6 +56,7 @@ impl Default for TorchLoadOptions {
     fn default() -> Self {
         Self {
             map_location: None,
+            limits: Limits::default(),
             strict: true,
             exact_dtypes: false,
             model_key: "model".into(),
@@ -100,6 +102,13 @@ impl TorchLoadOptions {
     /// CPU machine).
     pub fn map_location(mut self, device: Device) -> Self {
         self.map_location = Some(device);
+        self
+    }
+
+    /// Bounds on reading the file (default [`Limits::default`]): a server loading untrusted
+    /// checkpoints can tighten them.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
         self
     }
 

@@ -5,7 +5,6 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{Read, Seek, Write};
 
-use tch::Device;
 use zip::write::FileOptions;
 use zip::{CompressionMethod, ZipArchive, ZipWriter};
 
@@ -14,16 +13,11 @@ use super::pickle_read::{self, elem_size, Heap, HeapObj, Obj, Persistent, Pickle
 use super::storage::{self, Materializer, StorageSource};
 use super::tree;
 use super::value::Value;
-use super::Format;
+use super::{Format, Limits, LoadOptions};
 
 /// torch's legacy magic number 0x1950a86a20f9469cfc6c, as pickle's LONG1 stores it.
 const MAGIC: [u8; 10] = [0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19];
 const PROTOCOL_VERSION: i64 = 1001;
-/// Largest `data.pkl` read from a zip archive.
-const MAX_PICKLE: u64 = 1 << 30;
-/// A compressed zip entry (torch.save never writes one) is inflated to at most this many times
-/// its compressed size.
-pub(crate) const MAX_INFLATE_RATIO: u64 = 32;
 
 /// Sniffs the container from the first bytes.
 pub(crate) fn detect(head: &[u8]) -> Option<Format> {
@@ -75,6 +69,7 @@ struct ZipSource<'a, R: Read + Seek> {
     prefix: String,
     total_len: u64,
     big_endian: bool,
+    limits: Limits,
     /// Reused across storages: one allocation for the largest, not one per storage.
     scratch: Vec<u8>,
 }
@@ -89,6 +84,7 @@ impl<R: Read + Seek> StorageSource for ZipSource<'_, R> {
             expected,
             self.total_len,
             "the pickle references a storage the archive lacks",
+            &self.limits,
             &mut self.scratch,
         )?;
         Ok(Cow::Borrowed(&self.scratch))
@@ -107,6 +103,7 @@ fn read_entry<R: Read + Seek>(
     expected: u64,
     total_len: u64,
     hint: &'static str,
+    limits: &Limits,
     buf: &mut Vec<u8>,
 ) -> Result<()> {
     let file = match archive.by_name(name) {
@@ -124,9 +121,9 @@ fn read_entry<R: Read + Seek>(
     // A stored entry cannot be larger than the archive; a compressed one is inflated only up
     // to its ratio cap, refused before any byte is inflated when its header claims more. The
     // reads stop one byte past the size the header claims, whatever the stream holds.
-    let limit = if expected == u64::MAX { MAX_PICKLE } else { expected };
+    let limit = if expected == u64::MAX { limits.pickle_bytes } else { expected };
     if size > limit {
-        return Err(TorchIoError::Zip { message: format!("entry {name:?} claims {size} bytes (limit {limit})") });
+        return Err(TorchIoError::TooLarge { what: format!("entry {name:?}, {size} bytes,"), limit });
     }
     if file.compression() == CompressionMethod::Stored {
         if size > total_len {
@@ -135,7 +132,8 @@ fn read_entry<R: Read + Seek>(
             });
         }
     } else {
-        let cap = file.compressed_size().saturating_mul(MAX_INFLATE_RATIO);
+        // torch.save never compresses: a compressed entry comes from another writer.
+        let cap = file.compressed_size().saturating_mul(limits.inflate_ratio);
         if size > cap {
             return Err(TorchIoError::TooLarge {
                 what: format!(
@@ -160,7 +158,7 @@ fn read_entry<R: Read + Seek>(
     Ok(())
 }
 
-pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: Option<Device>) -> Result<Value> {
+pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, options: &LoadOptions) -> Result<Value> {
     let mut archive = ZipArchive::new(reader).map_err(zip_err)?;
     // The zip reader's name table keeps one entry per name: fewer names than entries means a
     // name is there twice.
@@ -221,12 +219,26 @@ pub(crate) fn read_zip<R: Read + Seek>(reader: R, total_len: u64, map_location: 
         Err(e) => return Err(zip_err(e)),
     };
     let mut data = Vec::new();
-    read_entry(&mut archive, &format!("{prefix}data.pkl"), u64::MAX, total_len, "", &mut data)?;
+    read_entry(&mut archive, &format!("{prefix}data.pkl"), u64::MAX, total_len, "", &options.limits, &mut data)?;
     let mut table = StorageTable::default();
     let pickle = pickle_read::parse(&data, 0, 0, &mut table)?;
-    let mut source = ZipSource { archive: &mut archive, prefix, total_len, big_endian, scratch: Vec::new() };
-    let mut mat = Materializer::new(&table.decls, &mut source, map_location);
-    tree::to_value(&pickle, &mut mat, data.len())
+    check_storage_total(&table.decls, &options.limits)?;
+    let limits = options.limits;
+    let mut source = ZipSource { archive: &mut archive, prefix, total_len, big_endian, limits, scratch: Vec::new() };
+    let mut mat = Materializer::new(&table.decls, &mut source, options.map_location);
+    tree::to_value(&pickle, &mut mat, data.len(), options.limits.depth)
+}
+
+/// The storages the pickle declares, in bytes, within [`Limits::storage_bytes`].
+fn check_storage_total(decls: &[StorageDecl], limits: &Limits) -> Result<()> {
+    let total = decls.iter().fold(0u64, |t, d| t.saturating_add(d.numel.saturating_mul(elem_size(d.kind))));
+    if total > limits.storage_bytes {
+        return Err(TorchIoError::TooLarge {
+            what: format!("the tensors' storages, {total} bytes,"),
+            limit: limits.storage_bytes,
+        });
+    }
+    Ok(())
 }
 
 /// The error for an archive holding a name twice, naming it.
@@ -256,7 +268,7 @@ fn int_value(p: &Pickle) -> Option<Result<i64, Vec<u8>>> {
     }
 }
 
-pub(crate) fn read_legacy(data: &[u8], map_location: Option<Device>) -> Result<Value> {
+pub(crate) fn read_legacy(data: &[u8], options: &LoadOptions) -> Result<Value> {
     let magic = pickle_read::parse(data, 0, 0, &mut NoPersistent).map_err(|e| match e {
         TorchIoError::Truncated { .. } | TorchIoError::Pickle { .. } | TorchIoError::UnknownOpcode { .. } => {
             TorchIoError::BadMagic { found: format!("(unreadable: {e})") }
@@ -327,8 +339,8 @@ pub(crate) fn read_legacy(data: &[u8], map_location: Option<Device>) -> Result<V
         pos += nbytes as usize;
     }
     let mut source = RangeSource { data, ranges, big_endian };
-    let mut mat = Materializer::new(&table.decls, &mut source, map_location);
-    tree::to_value(&object, &mut mat, object.end - sys_info.end)
+    let mut mat = Materializer::new(&table.decls, &mut source, options.map_location);
+    tree::to_value(&object, &mut mat, object.end - sys_info.end, options.limits.depth)
 }
 
 fn sys_info_big_endian(p: &Pickle) -> bool {

@@ -218,11 +218,11 @@ impl Printer<'_, '_> {
     }
 }
 
-pub(crate) fn value(v: &Value, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+fn value(v: &Value, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     Printer::new(f).value(v)
 }
 
-pub(crate) fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     let mut p = Printer::new(f);
     p.open_dict(d)?;
     for (i, (k, v)) in d.iter().enumerate() {
@@ -239,6 +239,18 @@ pub(crate) fn dict(d: &Dict, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         p.close_item()?;
     }
     p.close_dict(d)
+}
+
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        value(self, f)
+    }
+}
+
+impl fmt::Debug for Dict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        dict(self, f)
+    }
 }
 
 #[cfg(test)]

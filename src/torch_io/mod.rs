@@ -56,9 +56,9 @@
 //!   shared). Each budget has a floor of 4 MiB. Past a budget: [`TorchIoError::TooLarge`].
 //!   Each storage is read once into one tensor; dtype views of it (`_rebuild_tensor_v3`) share
 //!   its memory. The zip reader holds one storage's bytes at a time besides the tensors.
-//! - **Zip**: `data.pkl` is at most 1 GiB; a stored entry at most the archive's size; a
-//!   compressed entry (torch.save never compresses) is inflated to at most 32 times its
-//!   compressed size, refused before inflating when its header claims more
+//! - **Zip**: `data.pkl` is at most [`Limits::pickle_bytes`]; a stored entry at most the
+//!   archive's size; a compressed entry (torch.save never compresses) is inflated to at most
+//!   [`Limits::inflate_ratio`] times its compressed size, refused before inflating when its header claims more
 //!   ([`TorchIoError::TooLarge`]), and never read past the size its header claims. An archive
 //!   holding a name twice ([`TorchIoError::DuplicateRecord`]) or entries under two top
 //!   folders ([`TorchIoError::MixedFolders`]) is refused: torch.load and zip tools would
@@ -129,6 +129,30 @@ pub enum Format {
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     map_location: Option<Device>,
+    limits: Limits,
+}
+
+/// Bounds on what reading one file may take, beyond the ones its own size sets. The defaults
+/// read every file `torch.save` writes; a server reading untrusted files can tighten them
+/// ([`LoadOptions::limits`]). A file over a limit is a [`TorchIoError::TooLarge`] or
+/// [`TorchIoError::TooDeep`], raised before the memory it would take is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest pickle stream (the tree without the tensors' data), in bytes. Default 1 GiB.
+    pub pickle_bytes: u64,
+    /// The largest total of the tensors' storages, in bytes. Default: no bound beyond the
+    /// file's own size (the data is in the file).
+    pub storage_bytes: u64,
+    /// How many times its compressed size a compressed zip entry may inflate to. Default 32.
+    pub inflate_ratio: u64,
+    /// The deepest nesting of containers. Default and largest: 256.
+    pub depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { pickle_bytes: 1 << 30, storage_bytes: u64::MAX, inflate_ratio: 32, depth: MAX_DEPTH }
+    }
 }
 
 impl LoadOptions {
@@ -141,6 +165,13 @@ impl LoadOptions {
     /// Puts every tensor on `device` (`torch.load(..., map_location=device)`).
     pub fn map_location(mut self, device: Device) -> Self {
         self.map_location = Some(device);
+        self
+    }
+
+    /// Reads under `limits` instead of [`Limits::default`] (a depth above the default is the
+    /// default).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = Limits { depth: limits.depth.min(MAX_DEPTH), ..limits };
         self
     }
 }
@@ -177,13 +208,13 @@ pub fn load_with(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Value>
     match container::detect(&head) {
         Some(Format::Zip) => {
             file.seek(SeekFrom::Start(0)).map_err(io_err("reading", path))?;
-            container::read_zip(std::io::BufReader::new(file), len, options.map_location)
+            container::read_zip(std::io::BufReader::new(file), len, options)
         }
         Some(Format::Legacy) => {
             let mut data = head;
             data.reserve(len.saturating_sub(data.len() as u64) as usize);
             file.read_to_end(&mut data).map_err(io_err("reading", path))?;
-            container::read_legacy(&data, options.map_location)
+            container::read_legacy(&data, options)
         }
         Some(Format::Tar) => Err(TorchIoError::LegacyTar),
         None => Err(container::unknown_format(&head)),
@@ -196,8 +227,8 @@ pub fn load_with(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Value>
 /// As [`load_with`], less the I/O errors.
 pub fn load_bytes(bytes: &[u8], options: &LoadOptions) -> Result<Value> {
     match container::detect(bytes) {
-        Some(Format::Zip) => container::read_zip(std::io::Cursor::new(bytes), bytes.len() as u64, options.map_location),
-        Some(Format::Legacy) => container::read_legacy(bytes, options.map_location),
+        Some(Format::Zip) => container::read_zip(std::io::Cursor::new(bytes), bytes.len() as u64, options),
+        Some(Format::Legacy) => container::read_legacy(bytes, options),
         Some(Format::Tar) => Err(TorchIoError::LegacyTar),
         None => Err(container::unknown_format(bytes)),
     }

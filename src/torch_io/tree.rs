@@ -7,7 +7,7 @@
 //! references a big string or container thousands of times is refused, not expanded.
 //!
 //! The conversion is a loop over an explicit stack of the containers being built, so the
-//! thread's stack does not grow with the depth. A node more than [`MAX_DEPTH`] levels below
+//! thread's stack does not grow with the depth. A node more than [`super::Limits::depth`] levels below
 //! the root, or a container met again inside itself (a reference cycle: the memo hands out a
 //! container before it is complete), is [`TorchIoError::TooDeep`], raised when the node is
 //! reached, before anything is built under it.
@@ -17,7 +17,6 @@ use super::error::{Result, TorchIoError};
 use super::pickle_read::{Global, HeapObj, Obj, Pickle, BUDGET_FLOOR};
 use super::storage::Materializer;
 use super::value::{format_path, BigInt, Dict, Key, PathSeg, Value};
-use super::MAX_DEPTH;
 
 /// Bytes of tree per byte of pickle.
 pub(crate) const TREE_BUDGET_PER_BYTE: u64 = 64;
@@ -31,14 +30,21 @@ struct Converter<'p, 'm, 's> {
     path: Vec<PathSeg<Rc<str>>>,
     bytes: u64,
     budget: u64,
+    /// The deepest nesting accepted ([`super::Limits::depth`]).
+    depth: usize,
 }
 
 /// Converts the pickle's root into a tree, building tensors on the way. The tree's size is
 /// bounded by `pickle_len` (shared references are expanded, so a small pickle could otherwise
 /// describe an exponentially large tree).
-pub(crate) fn to_value(pickle: &Pickle, tensors: &mut Materializer<'_>, pickle_len: usize) -> Result<Value> {
+pub(crate) fn to_value(
+    pickle: &Pickle,
+    tensors: &mut Materializer<'_>,
+    pickle_len: usize,
+    depth: usize,
+) -> Result<Value> {
     let budget = (pickle_len as u64).saturating_mul(TREE_BUDGET_PER_BYTE).saturating_add(BUDGET_FLOOR);
-    let mut c = Converter { pickle, tensors, path: Vec::new(), bytes: 0, budget };
+    let mut c = Converter { pickle, tensors, path: Vec::new(), bytes: 0, budget, depth };
     c.run()
 }
 
@@ -162,7 +168,7 @@ impl<'p> Converter<'p, '_, '_> {
             _ => 0,
         };
         self.charge(std::mem::size_of::<Value>() as u64 + payload as u64)?;
-        if self.path.len() > MAX_DEPTH {
+        if self.path.len() > self.depth {
             return Err(self.too_deep("nesting depth"));
         }
         Ok(Started::Done(match o {
@@ -238,7 +244,7 @@ impl<'p> Converter<'p, '_, '_> {
 
     #[cold]
     fn too_deep(&self, what: &'static str) -> TorchIoError {
-        TorchIoError::TooDeep { what, path: format_path(&self.path), limit: MAX_DEPTH as u64 }
+        TorchIoError::TooDeep { what, path: format_path(&self.path), limit: self.depth as u64 }
     }
 
     /// A tensor, or an error for the heap objects the tree has no place for.

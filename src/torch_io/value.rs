@@ -5,7 +5,6 @@ use indexmap::IndexMap;
 use tch::Tensor;
 
 use super::error::{Result, TorchIoError};
-use super::walk::{Edge, Step, Walk};
 
 /// A Python value as `torch.save` stores it.
 ///
@@ -290,18 +289,6 @@ impl Dict {
     }
 }
 
-impl fmt::Debug for Dict {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        super::debug::dict(self, f)
-    }
-}
-
-impl fmt::Debug for Value {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        super::debug::value(self, f)
-    }
-}
-
 /// The children of a container, moved out of it.
 type Children = Box<dyn Iterator<Item = Value>>;
 
@@ -495,56 +482,6 @@ impl Value {
             }
             _ => Err(TorchIoError::TypeMismatch { path: "<root>".into(), expected: "dict or list", found }),
         }
-    }
-
-    /// A copy of the tree; tensors are shallow copies (they share storage with the original).
-    pub fn shallow_clone(&self) -> Value {
-        // Copies of the open containers, innermost last, each with how it hangs from its own.
-        let mut open: Vec<(Value, Option<Edge<'_>>)> = Vec::new();
-        for step in Walk::new(self) {
-            let (copy, edge) = match step {
-                Step::Enter(v, edge) => {
-                    let copy = match v {
-                        Value::None => Value::None,
-                        Value::Bool(b) => Value::Bool(*b),
-                        Value::Int(i) => Value::Int(*i),
-                        Value::BigInt(b) => Value::BigInt(b.clone()),
-                        Value::Float(f) => Value::Float(*f),
-                        Value::Str(s) => Value::Str(s.clone()),
-                        Value::Bytes(b) => Value::Bytes(b.clone()),
-                        Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
-                        Value::List(v) => Value::List(Vec::with_capacity(v.len())),
-                        Value::Tuple(v) => Value::Tuple(Vec::with_capacity(v.len())),
-                        Value::Dict(d) => Value::Dict(Dict {
-                            ordered: d.ordered,
-                            entries: IndexMap::with_capacity(d.entries.len()),
-                            attributes: IndexMap::with_capacity(d.attributes.len()),
-                        }),
-                    };
-                    if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
-                        open.push((copy, edge));
-                        continue;
-                    }
-                    (copy, edge)
-                }
-                Step::Leave(Value::List(_) | Value::Tuple(_) | Value::Dict(_)) => {
-                    open.pop().expect("a container left was entered")
-                }
-                Step::Leave(_) => continue,
-            };
-            match (open.last_mut(), edge) {
-                (None, _) => return copy,
-                (Some((Value::List(items) | Value::Tuple(items), _)), _) => items.push(copy),
-                (Some((Value::Dict(d), _)), Some(Edge::Key(_, k))) => {
-                    d.entries.insert(k.clone(), copy);
-                }
-                (Some((Value::Dict(d), _)), Some(Edge::Attr(_, name))) => {
-                    d.attributes.insert(name.to_string(), copy);
-                }
-                _ => unreachable!("a container's children hang from it by index, key or attribute"),
-            }
-        }
-        unreachable!("a walk ends by leaving the root")
     }
 }
 

@@ -3,7 +3,7 @@
 //! [`Walk`], so that no tree, however deep, can exhaust the thread's stack. Passes that refuse
 //! deep trees check [`Walk::check_depth`] as they enter each node.
 use super::error::{Result, TorchIoError};
-use super::value::{format_path, Key, PathSeg, Value};
+use super::value::{format_path, Dict, Key, PathSeg, Value};
 use super::MAX_DEPTH;
 
 /// How a node hangs from its container.
@@ -130,6 +130,55 @@ impl<'v> Iterator for Walk<'v> {
                 self.leave(container)
             }
         })
+    }
+}
+
+impl Value {
+    /// A copy of the tree; tensors are shallow copies (they share storage with the original).
+    pub fn shallow_clone(&self) -> Value {
+        // Copies of the open containers, innermost last, each with how it hangs from its own.
+        let mut open: Vec<(Value, Option<Edge<'_>>)> = Vec::new();
+        for step in Walk::new(self) {
+            let (copy, edge) = match step {
+                Step::Enter(v, edge) => {
+                    let copy = match v {
+                        Value::None => Value::None,
+                        Value::Bool(b) => Value::Bool(*b),
+                        Value::Int(i) => Value::Int(*i),
+                        Value::BigInt(b) => Value::BigInt(b.clone()),
+                        Value::Float(f) => Value::Float(*f),
+                        Value::Str(s) => Value::Str(s.clone()),
+                        Value::Bytes(b) => Value::Bytes(b.clone()),
+                        Value::Tensor(t) => Value::Tensor(t.shallow_clone()),
+                        Value::List(v) => Value::List(Vec::with_capacity(v.len())),
+                        Value::Tuple(v) => Value::Tuple(Vec::with_capacity(v.len())),
+                        Value::Dict(d) if d.is_ordered() => Value::Dict(Dict::new_ordered()),
+                        Value::Dict(_) => Value::Dict(Dict::new()),
+                    };
+                    if matches!(v, Value::List(_) | Value::Tuple(_) | Value::Dict(_)) {
+                        open.push((copy, edge));
+                        continue;
+                    }
+                    (copy, edge)
+                }
+                Step::Leave(Value::List(_) | Value::Tuple(_) | Value::Dict(_)) => {
+                    open.pop().expect("a container left was entered")
+                }
+                Step::Leave(_) => continue,
+            };
+            match (open.last_mut(), edge) {
+                (None, _) => return copy,
+                (Some((Value::List(items) | Value::Tuple(items), _)), _) => items.push(copy),
+                (Some((Value::Dict(d), _)), Some(Edge::Key(_, k))) => {
+                    d.insert(k.clone(), copy);
+                }
+                (Some((Value::Dict(d), _)), Some(Edge::Attr(_, name))) => {
+                    d.set_attribute(name.to_string(), copy);
+                }
+                _ => unreachable!("a container's children hang from it by index, key or attribute"),
+            }
+        }
+        unreachable!("a walk ends by leaving the root")
     }
 }
 

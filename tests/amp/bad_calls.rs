@@ -45,7 +45,7 @@ fn snapshot(r: &Run) -> Snapshot {
     for p in r.opt.to_record().params {
         state.extend(p.buffers.values().map(Tensor::copy));
     }
-    (vars, state, r.amp.state_dict_json(), r.opt.step_counts())
+    (vars, state, crate::common::json(&r.amp.state_dict()).to_string(), r.opt.step_counts())
 }
 
 fn assert_unchanged(before: &Snapshot, r: &Run, what: &str) {
@@ -216,7 +216,7 @@ fn clipping_the_fp16_model_gradients_under_o2_is_refused() {
 fn snapshot_without_masters(r: &Run) -> (Vec<(String, Tensor)>, String, (u64, u64)) {
     let mut vars: Vec<(String, Tensor)> = r.vs.variables().into_iter().map(|(k, v)| (k, v.copy())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    (vars, r.amp.state_dict_json(), r.opt.step_counts())
+    (vars, crate::common::json(&r.amp.state_dict()).to_string(), r.opt.step_counts())
 }
 
 fn assert_unchanged_without_masters(before: &(Vec<(String, Tensor)>, String, (u64, u64)), r: &Run, what: &str) {
@@ -424,7 +424,7 @@ fn bad_losses_are_refused_before_backward() {
 #[test]
 fn out_of_range_states_and_scales_are_refused() {
     let mut r = run(AmpConfig::new(OptLevel::O2), nn::Adam::default());
-    let before = r.amp.state_dict();
+    let before = crate::common::json(&r.amp.state_dict());
     for bad in [
         json!({"loss_scaler0": {"loss_scale": 1e30, "unskipped": 0}}),
         json!({"loss_scaler0": {"loss_scale": 1e-30, "unskipped": 0}}),
@@ -436,8 +436,14 @@ fn out_of_range_states_and_scales_are_refused() {
         json!({"scale": 65536.0, "growth_interval": 1e300}),
         json!({"scale": 1e-40}),
     ] {
-        assert!(matches!(r.amp.load_state_dict(&bad), Err(AmpError::State(StateError::StateMismatch { .. }))), "{bad}");
-        assert_eq!(r.amp.state_dict(), before, "{bad}");
+        assert!(
+            matches!(
+                r.amp.load_state_dict(&crate::common::value(bad.clone())),
+                Err(AmpError::State(StateError::StateMismatch { .. }))
+            ),
+            "{bad}"
+        );
+        assert_eq!(crate::common::json(&r.amp.state_dict()), before, "{bad}");
     }
     // The extremes that are accepted step without a panic.
     for ok in [
@@ -445,18 +451,25 @@ fn out_of_range_states_and_scales_are_refused() {
         json!({"loss_scaler0": {"loss_scale": LossScalerFloor::FLOOR, "unskipped": 0}}),
         json!({"scale": 2.0, "growth_interval": 9_007_199_254_740_992u64, "_growth_tracker": 9_007_199_254_740_991u64}),
     ] {
-        r.amp.load_state_dict(&ok).unwrap();
+        r.amp.load_state_dict(&crate::common::value(ok)).unwrap();
         r.opt.zero_grad().unwrap();
         let l = loss(&r, 3);
         r.amp.scale_loss(&l, &mut [&mut r.opt], |s| s.backward()).unwrap();
         r.opt.step().unwrap();
     }
-    // A static scaler counts forever (Apex); a loaded u64::MAX saturates instead of panicking.
-    let mut s = run(AmpConfig::new(OptLevel::O3), nn::Sgd::default());
-    s.amp.load_state_dict(&json!({"loss_scaler0": {"loss_scale": 1.0, "unskipped": u64::MAX}})).unwrap();
+    // A static scaler counts forever (Apex; at O3's 1.0 the loss passes through uncounted, so a
+    // static 128 with masters); the largest count a file holds (a Python int within i64) loads
+    // and keeps counting without a panic.
+    let mut s = run(AmpConfig::new(OptLevel::O2).loss_scale(128.0), nn::Sgd::default());
+    s.amp
+        .load_state_dict(&crate::common::value(json!({"loss_scaler0": {"loss_scale": 128.0, "unskipped": i64::MAX}})))
+        .unwrap();
     good_step(&mut s, 0);
-    assert_eq!(s.amp.scaler(0).unwrap().unskipped(), u64::MAX);
-    assert!(s.amp.load_state_dict(&json!({"loss_scaler0": {"loss_scale": 1e-300, "unskipped": 0}})).is_err());
+    assert_eq!(s.amp.scaler(0).unwrap().unskipped(), i64::MAX as u64 + 1);
+    assert!(s
+        .amp
+        .load_state_dict(&crate::common::value(json!({"loss_scaler0": {"loss_scale": 1e-300, "unskipped": 0}})))
+        .is_err());
     for bad in [1e-300, 1e39, f64::INFINITY] {
         let err = AmpConfig::new(OptLevel::O2).loss_scale(bad).build().unwrap_err();
         assert!(matches!(err, AmpError::Config(ConfigError::InvalidOption { option: "loss_scale", .. })), "{err}");

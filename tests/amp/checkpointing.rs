@@ -107,7 +107,7 @@ fn restoring(level: OptLevel, optim: OptimizerConfig) {
                 let mut r = setup(level, num_losses * 2, 1234, optim);
                 load_checkpoint(&path, &r.vs, &mut [&mut r.opt], &mut r.amp).unwrap();
                 assert_identical(&snapshot(&run), &snapshot(&r), &format!("{what}: right after load"));
-                assert_eq!(run.amp.state_dict(), r.amp.state_dict());
+                assert_eq!(crate::common::json(&run.amp.state_dict()), crate::common::json(&r.amp.state_dict()));
                 restored = Some(r);
             } else if epoch > 4 {
                 let r = restored.as_mut().unwrap();
@@ -163,11 +163,11 @@ fn loss_scale_decreases_once_per_overflow() {
                 assert!(!r.opt.step().unwrap().stepped());
             }
         }
-        let state = r.amp.state_dict();
+        let state = crate::common::json(&r.amp.state_dict());
         for (idx, expected) in [65536.0, 32768.0, 16384.0].into_iter().enumerate() {
             let s = &state[&format!("loss_scaler{idx}")];
-            assert_eq!(s.loss_scale, expected, "{level} scaler {idx}");
-            assert_eq!(s.unskipped, 0, "{level} scaler {idx}");
+            assert_eq!(s["loss_scale"], expected, "{level} scaler {idx}");
+            assert_eq!(s["unskipped"], 0, "{level} scaler {idx}");
         }
     }
 }
@@ -228,7 +228,10 @@ fn failed_load_changes_nothing() {
     let mut amp = Amp::new(&AmpConfig::new(OptLevel::O2).verbosity(0)).unwrap();
     amp.cast_model(&vs, ()).unwrap();
     let mut opt = amp.optimizer(&vs, nn::Adam::default(), 1e-3).unwrap();
-    amp.load_state_dict(&serde_json::json!({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}})).unwrap();
+    amp.load_state_dict(&crate::common::value(
+        serde_json::json!({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}}),
+    ))
+    .unwrap();
     let before: Vec<(String, Tensor)> = {
         let mut v: Vec<_> = vs.variables().into_iter().map(|(k, t)| (k, t.copy())).collect();
         v.sort_by(|x, y| x.0.cmp(&y.0));
@@ -351,4 +354,33 @@ fn poisoned_optimizer_state_is_refused() {
     assert_identical(&snap, &snapshot(&a), "poisoned loads");
     // The record as saved loads.
     a.opt.load_record(a.opt.to_record()).unwrap();
+}
+
+/// A training-state tree of any depth is refused with a typed error instead of overflowing the
+/// stack, and tensor names deeper than the tree limit read back as one key at that depth.
+#[test]
+fn training_state_trees_are_bounded() {
+    use tch_amp::checkpoint::TrainingState;
+    use tch_amp::torch_io::{Dict, Value};
+    let leaf = Tensor::from_slice(&[1.0f32]);
+    let mut deep = Value::Tensor(leaf.copy());
+    for _ in 0..100_000 {
+        deep = Value::Dict(Dict::new().with("k", deep));
+    }
+    let mut state = TrainingState::default();
+    let err = state.insert_tree("deep", &deep).unwrap_err();
+    assert!(matches!(err, AmpError::State(StateError::StateMismatch { .. })), "{err}");
+    assert!(state.tensors.is_empty());
+    // 300 levels by name: the tree goes 256 dicts deep, the rest of the path is the last key.
+    let name = format!("p/{}", vec!["k"; 300].join("/"));
+    state.tensors.insert(name, leaf.copy());
+    let tree = state.tree("p");
+    let mut node = &tree;
+    for _ in 0..256 {
+        let Value::Dict(d) = node else { panic!("a dict expected") };
+        assert_eq!(d.len(), 1);
+        node = d.get_str("k").unwrap();
+    }
+    let Value::Dict(d) = node else { panic!("a dict expected") };
+    assert!(matches!(d.get_str(&vec!["k"; 44].join("/")), Some(Value::Tensor(t)) if t.equal(&leaf)));
 }

@@ -107,7 +107,10 @@ fn set_version(vs: &VarStore, amp: &mut Amp, opt: &mut AmpOptimizer, k: u64) {
     }
     opt.set_lr(k as f64 + 1.0).unwrap();
     let scale = 2f64.powi((k % 20) as i32);
-    amp.load_state_dict(&serde_json::json!({"loss_scaler0": {"loss_scale": scale, "unskipped": 0}})).unwrap();
+    amp.load_state_dict(&crate::common::value(
+        serde_json::json!({"loss_scaler0": {"loss_scale": scale, "unskipped": 0}}),
+    ))
+    .unwrap();
 }
 
 /// Loads `path` into a fresh setup and returns its version, checking that every value belongs

@@ -145,7 +145,7 @@ fn ema_follows_a_grad_scaler_loop() {
         let mut loss =
             tch_amp::autocast(Device::Cpu, || net.forward(&x)).unwrap().to_kind(Kind::Float).square().mean(None);
         if poison {
-            loss = loss * f64::INFINITY;
+            loss *= f64::INFINITY;
         }
         scaler.scale(&loss).unwrap().backward();
         let outcome = scaler.step(&mut opt).unwrap();

@@ -172,7 +172,7 @@ fn fuzz_state_dict_loader() {
     r.run(&near_valid_state(), |state| {
         for t in targets.borrow_mut().iter_mut() {
             let before = t.amp.scalers().to_vec();
-            match t.amp.load_state_dict(&state) {
+            match t.amp.load_state_dict(&crate::common::value(state.clone())) {
                 Ok(()) => {
                     accepted.set(accepted.get() + 1);
                     for s in t.amp.scalers() {
@@ -296,7 +296,7 @@ fn ckpt_snapshot(c: &Ckpt) -> Snapshot {
         let steps: Vec<u64> = r.params.iter().map(|p| p.step).collect();
         meta.push((r.steps, r.skipped, format!("{} {:?} {steps:?} {}", r.lr, r.group_lr, o.will_skip())));
     }
-    (tensors, c.amp.state_dict_json(), meta)
+    (tensors, crate::common::json(&c.amp.state_dict()).to_string(), meta)
 }
 
 fn same_snapshot(a: &Snapshot, b: &Snapshot) -> bool {

@@ -144,7 +144,7 @@ fn run_case(s: &Scenario, level: OptLevel, zero_with_model: bool, multiple_scale
     } else {
         json!({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}})
     };
-    amp.load_state_dict(&state).unwrap();
+    amp.load_state_dict(&crate::common::value(state)).unwrap();
     let skip = skipped_by(s, inj);
     let mut unskipped = 0;
     for i in 0..iters {

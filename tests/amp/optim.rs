@@ -282,3 +282,62 @@ fn set_lr_rejects_bad_rates_and_changes_nothing() {
         }
     }
 }
+
+/// `OptimizerConfig::state_dtype(Kind::BFloat16)`: between steps the moments are stored in
+/// bf16, each update runs in fp32 on their widened values and rounds them to nearest once. The
+/// twin is the fp32 optimizer (torch.optim's bits, tests above) whose state is rounded to bf16
+/// through its record after each step: the weights and the state must be bit for bit the same,
+/// over 10 steps of the fixture with a random-ish gradient each step. Any other dtype but fp32
+/// is refused.
+#[test]
+fn bf16_state_is_fp32_arithmetic_on_rounded_moments() {
+    use tch_amp::optim::OptimizerRecord;
+    let round = |mut r: OptimizerRecord| {
+        for p in &mut r.params {
+            for (k, v) in p.buffers.iter_mut() {
+                if k != "step" {
+                    *v = v.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+                }
+            }
+        }
+        r
+    };
+    let configs: [OptimizerConfig; 3] = [
+        adam(0.9, 0.999, 1e-8, 0.0, false).into(),
+        adamw(0.8, 0.99, 1e-6, 0.1, true).into(),
+        sgd(0.9, 0.0, 0.0, true).into(),
+    ];
+    for config in configs {
+        let (vs_a, vs_b) = (fixture(), fixture());
+        let mut a = AmpOptimizer::new(&vs_a, config.state_dtype(Kind::BFloat16), 1e-2, &[]).unwrap();
+        let mut b = AmpOptimizer::new(&vs_b, config, 1e-2, &[]).unwrap();
+        for step in 0..10 {
+            for (vs, opt) in [(&vs_a, &mut a), (&vs_b, &mut b)] {
+                let x = t(&[1.0, 2.0, -0.5, 3.0]) * (1.0 + 0.37 * step as f64);
+                let (bv, w) = (var(vs, "b"), var(vs, "w"));
+                opt.zero_grad().unwrap();
+                (&w * &x + bv.sum(Kind::Float) - t(&[0.3, -1.5, 1.0, 0.5])).square().sum(Kind::Float).backward();
+                assert!(opt.step().unwrap().stepped());
+            }
+            b.load_record(round(b.to_record())).unwrap();
+            for n in ["b", "w"] {
+                assert!(var(&vs_a, n).equal(&var(&vs_b, n)), "{config:?} step {step}: {n}");
+            }
+            for (pa, pb) in a.to_record().params.iter().zip(b.to_record().params) {
+                for (k, va) in &pa.buffers {
+                    let want =
+                        if k == "step" { pb.buffers[k].shallow_clone() } else { pb.buffers[k].to_kind(Kind::BFloat16) };
+                    assert!(va.equal(&want), "{config:?} step {step}: {} {k} ({:?})", pa.name, va.kind());
+                }
+            }
+        }
+        let state_bytes = |o: &AmpOptimizer| o.memory().optimizer_state;
+        assert!(2 * state_bytes(&a) >= state_bytes(&b) && state_bytes(&a) < state_bytes(&b));
+    }
+    let half =
+        AmpOptimizer::new(&fixture(), OptimizerConfig::from(nn::Adam::default()).state_dtype(Kind::Half), 1e-2, &[]);
+    assert!(
+        matches!(half, Err(AmpError::Config(ConfigError::InvalidOption { option: "state_dtype", .. }))),
+        "{half:?}"
+    );
+}

@@ -34,15 +34,17 @@ fn pass(vs: &VarStore, amp: &mut Amp, opt: &mut AmpOptimizer, loss_id: usize, ba
 }
 
 fn state(amp: &Amp) -> Value {
-    serde_json::to_value(amp.state_dict()).unwrap()
+    crate::common::json(&amp.state_dict())
 }
 
 #[test]
 fn state_dict_is_apex_form() {
     let (vs, mut amp, mut opt) = setup(1);
     assert_eq!(state(&amp), json!({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}));
-    let text: Value = serde_json::from_str(&amp.state_dict_json()).unwrap();
-    assert_eq!(text, json!({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}));
+    // What torch.save writes of it reads back the same.
+    let bytes = tch_amp::torch_io::save_bytes(&amp.state_dict()).unwrap();
+    let read = tch_amp::torch_io::load_bytes(&bytes, &Default::default()).unwrap();
+    assert_eq!(crate::common::json(&read), json!({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}));
     for _ in 0..3 {
         pass(&vs, &mut amp, &mut opt, 0, false);
     }
@@ -84,10 +86,10 @@ fn round_trip_two_losses() {
             "loss_scaler1": {"loss_scale": 16384.0, "unskipped": 1},
         })
     );
-    let text = amp.state_dict_json();
+    let bytes = tch_amp::torch_io::save_bytes(&amp.state_dict()).unwrap();
 
     let (vs2, mut amp2, mut opt2) = setup(2);
-    amp2.load_state_dict(&serde_json::from_str(&text).unwrap()).unwrap();
+    amp2.load_state_dict(&tch_amp::torch_io::load_bytes(&bytes, &Default::default()).unwrap()).unwrap();
     assert_eq!(state(&amp2), saved);
     assert_eq!(amp2.loss_scale(1).unwrap(), 16384.0);
     assert_eq!(amp2.scaler(0).unwrap().unskipped(), 1);
@@ -100,10 +102,10 @@ fn round_trip_two_losses() {
     assert_eq!(amp2.loss_scale(1).unwrap(), 8192.0);
 
     // A state written by Apex's Python (`json.dumps(amp.state_dict())`, an int scale).
-    amp2.load_state_dict(&json!({
+    amp2.load_state_dict(&crate::common::value(json!({
         "loss_scaler0": {"loss_scale": 1024, "unskipped": 1999},
         "loss_scaler1": {"loss_scale": 0.5, "unskipped": 7},
-    }))
+    })))
     .unwrap();
     assert_eq!(amp2.loss_scale(0).unwrap(), 1024.0);
     assert_eq!(amp2.loss_scale(1).unwrap(), 0.5);
@@ -140,7 +142,7 @@ fn loads_grad_scaler_state() {
         r#"{"scale": 2048.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 1}"#,
     )
     .unwrap();
-    amp.load_state_dict(&gs).unwrap();
+    amp.load_state_dict(&crate::common::value(gs.clone())).unwrap();
     assert_eq!(state(&amp), json!({"loss_scaler0": {"loss_scale": 2048.0, "unskipped": 1}}));
     let s = amp.scaler(0).unwrap();
     assert_eq!(s.growth_interval(), 3);
@@ -164,7 +166,7 @@ fn loads_grad_scaler_state() {
 #[test]
 fn loads_grad_scaler_factors() {
     let (vs, mut amp, mut opt) = setup(1);
-    amp.load_state_dict(&json!({"scale": 64.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 2, "_growth_tracker": 1}))
+    amp.load_state_dict(&crate::common::value(json!({"scale": 64.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 2, "_growth_tracker": 1})))
         .unwrap();
     assert_eq!(amp.scaler(0).unwrap().factors(), (4.0, 0.25));
     for (bad, scale) in [(false, 256.0), (true, 64.0)] {
@@ -182,7 +184,7 @@ fn rejects(num_losses: usize, bad: Value) {
     pass(&vs, &mut amp, &mut opt, 0, false);
     let before = state(&amp);
     let before_meta = (amp.scaler(0).unwrap().growth_interval(), amp.scaler(0).unwrap().factors());
-    match amp.load_state_dict(&bad) {
+    match amp.load_state_dict(&crate::common::value(bad.clone())) {
         Err(AmpError::State(StateError::StateMismatch { .. })) => {}
         other => panic!("{bad} with num_losses {num_losses}: {other:?}"),
     }

@@ -169,3 +169,44 @@ impl SeededRng {
         (self.next() % n.max(1) as u64) as usize
     }
 }
+
+/// A JSON literal as the `torch.save` value a Python dict of numbers and strings is (ints stay
+/// ints, floats floats): the amp states tests write inline with `json!`.
+pub fn value(j: serde_json::Value) -> tch_amp::torch_io::Value {
+    use serde_json::Value as J;
+    use tch_amp::torch_io::{Dict, Value};
+    match j {
+        J::Null => Value::None,
+        J::Bool(b) => Value::Bool(b),
+        J::Number(n) => n.as_i64().map(Value::Int).unwrap_or_else(|| Value::Float(n.as_f64().unwrap())),
+        J::String(s) => Value::Str(s),
+        J::Array(a) => Value::List(a.into_iter().map(value).collect()),
+        J::Object(m) => Value::Dict(m.into_iter().fold(Dict::new(), |d, (k, v)| d.with(k, value(v)))),
+    }
+}
+
+/// An amp state (dicts of numbers) as JSON, for comparisons and messages.
+pub fn json(v: &tch_amp::torch_io::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    use tch_amp::torch_io::{Key, Value};
+    match v {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Int(i) => J::from(*i),
+        Value::Float(f) => J::from(*f),
+        Value::Str(s) => J::String(s.clone()),
+        Value::List(items) => J::Array(items.iter().map(json).collect()),
+        Value::Dict(d) => J::Object(
+            d.iter()
+                .map(|(k, v)| {
+                    let k = match k {
+                        Key::Str(s) => s.clone(),
+                        Key::Int(i) => i.to_string(),
+                    };
+                    (k, json(v))
+                })
+                .collect(),
+        ),
+        other => panic!("a {} in an amp state", other.type_name()),
+    }
+}

@@ -1,6 +1,7 @@
-//! Distributed training on two processes over 127.0.0.1 (Gloo): the process group and its
-//! collectives, data parallel under AMP, SyncBatchNorm, a mixed Rust/Python group, the imagenet
-//! example under torchrun's environment, and (with `cuda-tests`) NCCL.
+//! Distributed training on two and four processes over 127.0.0.1 (Gloo): the process group and
+//! its collectives, data parallel under AMP, the sharded optimizer, SyncBatchNorm, mixed
+//! Rust/Python groups, the imagenet example under torchrun's environment, and (with
+//! `cuda-tests`) NCCL.
 #[allow(dead_code)]
 mod support;
 
@@ -11,3 +12,4 @@ mod example;
 mod group;
 mod python;
 mod syncbn;
+mod zero;

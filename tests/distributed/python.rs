@@ -8,6 +8,11 @@
 //! allreduce, Apex after it: the Rust rank sets `gradient_predivide_factor = 2` to divide where
 //! torch does (with Apex's default the ranks' bucket contents would not add up).
 //!
+//! A third pair trains under torch's ZeroRedundancyOptimizer (`tests/fixtures/dist_zero_rank.py`)
+//! and tch-amp's sharded optimizer: both ranks compute torch's partition, each updates its shard
+//! (the Rust rank with tch-amp's Adam, the Python rank with torch's) and broadcasts it, and the
+//! weights equal an unsharded torch.optim.Adam's on the Python side, bit for bit.
+//!
 //! The same pair also runs torch.amp's DDP recipe: the forward under CPU autocast (bf16) and a
 //! GradScaler on each rank (tch-amp's on the Rust rank, torch's on the Python rank), with an inf
 //! in the Python rank's batch at step 2 that the allreduce spreads: both ranks skip that step and
@@ -29,6 +34,66 @@ const STEPS: usize = 5;
 
 fn python() -> Option<String> {
     std::env::var("TCH_AMP_PYTHON").ok()
+}
+
+/// The venv's Python, or a panic naming the remedy.
+fn python_or_panic() -> String {
+    python().unwrap_or_else(|| panic!("TCH_AMP_PYTHON is not set: run `make setup` (it writes .cargo/config.toml)"))
+}
+
+/// Runs `tests/fixtures/<script> args..` with the venv's Python and asserts it exits 0 within
+/// the peer deadline.
+pub fn run_fixture(script: &str, args: &[&str]) {
+    let path = format!("{}/tests/fixtures/{script}", env!("CARGO_MANIFEST_DIR"));
+    let mut run = Peer::spawn(Command::new(python_or_panic()).arg(path).args(args));
+    run.expect_success(PEER_DEADLINE);
+}
+
+/// tch-amp's sharded Adam (rank 0) and torch's ZeroRedundancyOptimizer over Adam (rank 1, the
+/// Python process) in one group: the same partition, the same weights, torch's unsharded Adam's.
+#[test]
+fn rust_rank_and_python_zero_redundancy_optimizer_train_together() {
+    use tch_amp::AmpOptimizer;
+    const ZERO_B: i64 = 4;
+    let python = python_or_panic();
+    let _rng = global_rng_lock();
+    tch::set_num_threads(1);
+    let port = free_port();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dist_zero_rank.py");
+    let mut peer = Peer::spawn(Command::new(python).arg(script).arg(port.to_string()).arg(STEPS.to_string()));
+    let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
+    let vs = VarStore::new(Device::Cpu);
+    tch::manual_seed(1);
+    let p = vs.root();
+    let net = nn::seq_t()
+        .add(nn::linear(&p / "0", 8, 32, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "2", 32, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&p / "4", 16, 4, Default::default()));
+    // torch.optim.Adam(lr=1e-3)'s defaults.
+    let mut opt = AmpOptimizer::sharded(&pg, &vs, nn::Adam::default(), 1e-3, &[]).unwrap();
+    let options = DdpOptions::default().bucket_cap_bytes(25 << 20).gradient_predivide_factor(2.0);
+    let ddp = DistributedDataParallel::new(&pg, &vs, net, &mut [&mut opt], options).expect("DDP with the Python rank");
+    let order = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"];
+    let names = opt.param_names();
+    let ranks = opt.param_ranks();
+    let owners: Vec<i64> = order.iter().map(|n| ranks[names.iter().position(|x| x == n).unwrap()] as i64).collect();
+    check(&pg, 0, "partition", std::iter::once(("owners", Tensor::from_slice(&owners))));
+    assert_eq!(owners, [1, 1, 0, 1, 1, 1], "2.weight (512) to rank 0, the rest to rank 1");
+    for step in 0..STEPS {
+        tch::manual_seed(1000 + step as i64);
+        let x = Tensor::randn([2 * ZERO_B, 8], (Kind::Float, Device::Cpu)).narrow(0, 0, ZERO_B);
+        let y = Tensor::randn([2 * ZERO_B, 4], (Kind::Float, Device::Cpu)).narrow(0, 0, ZERO_B);
+        opt.zero_grad().unwrap();
+        ddp.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean).backward();
+        let vars = vs.variables();
+        check(&pg, step, "gradient", order.iter().map(|n| (*n, vars[*n].grad())));
+        opt.step().unwrap();
+        check(&pg, step, "weight", order.iter().map(|n| (*n, vars[*n].shallow_clone())));
+    }
+    pg.barrier().expect("the final barrier with the Python rank");
+    peer.expect_success(PEER_DEADLINE);
 }
 
 /// Both ranks' copies of each tensor, compared bit for bit, NaNs equal where both hold one (the

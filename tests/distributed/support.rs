@@ -1,7 +1,7 @@
-//! Two-process harness for the distributed tests: the test process is rank 0 and re-runs its
-//! own binary, filtered to the same test, as rank 1 (`TCH_AMP_TEST_RANK=1`). Both run the
-//! same body; a free loopback port per test; the peer is killed if rank 0 fails, and waited
-//! for with a bound.
+//! Multi-process harness for the distributed tests: the test process is rank 0 and re-runs its
+//! own binary, filtered to the same test, as ranks 1.. (`TCH_AMP_TEST_RANK`). All run the same
+//! body; a free loopback port per test; the peers are killed if rank 0 fails, and waited for
+//! with a bound.
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -11,6 +11,8 @@ use tch_amp::distributed::{InitOptions, ProcessGroup};
 
 /// Set in the re-run test binary: the rank it plays.
 pub const RANK_ENV: &str = "TCH_AMP_TEST_RANK";
+/// Set in the re-run test binary: the number of ranks.
+pub const WORLD_ENV: &str = "TCH_AMP_TEST_WORLD";
 /// Set in the re-run test binary: the TCPStore port.
 pub const PORT_ENV: &str = "TCH_AMP_TEST_PORT";
 /// Set in the re-run test binary: a folder both ranks may use (rank 0 removes it at the end).
@@ -61,13 +63,13 @@ impl Peer {
         loop {
             match c.try_wait().expect("try_wait") {
                 Some(status) => {
-                    assert!(status.success(), "rank 1 failed: {status}");
+                    assert!(status.success(), "a peer rank failed: {status}");
                     return;
                 }
                 None if start.elapsed() > deadline => {
                     let _ = c.kill();
                     let _ = c.wait();
-                    panic!("rank 1 did not finish within {deadline:?}");
+                    panic!("a peer rank did not finish within {deadline:?}");
                 }
                 None => std::thread::sleep(Duration::from_millis(20)),
             }
@@ -81,22 +83,24 @@ impl Drop for Peer {
     }
 }
 
-/// Which side of a two-rank test this process is.
+/// Which rank of a multi-rank test this process is.
 pub struct Side {
-    /// 0 or 1.
+    /// 0 .. world.
     pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
     /// The TCPStore port.
     pub port: u16,
-    /// On rank 0: the peer process.
-    pub peer: Option<Peer>,
-    /// A folder shared by both ranks for this test (deleted by rank 0 afterwards).
+    /// On rank 0: the peer processes (ranks 1.. in order).
+    pub peers: Vec<Peer>,
+    /// A folder shared by the ranks for this test (deleted by rank 0 afterwards).
     pub dir: std::path::PathBuf,
 }
 
 impl Side {
-    /// Joins the two-rank group on 127.0.0.1 (Gloo, [`TIMEOUT`]).
+    /// Joins the group on 127.0.0.1 (Gloo, [`TIMEOUT`]).
     pub fn group(&self) -> ProcessGroup {
-        ProcessGroup::init(&InitOptions::new(self.rank, 2, "127.0.0.1", self.port).timeout(TIMEOUT))
+        ProcessGroup::init(&InitOptions::new(self.rank, self.world, "127.0.0.1", self.port).timeout(TIMEOUT))
             .expect("rendezvous")
     }
 }
@@ -107,31 +111,41 @@ impl Side {
 /// `name` is the test's path as `concat!(module_path!(), "::test_name")` gives it; the crate
 /// name in front is dropped to get the name libtest filters on.
 pub fn two_ranks(name: &str, body: impl FnOnce(&mut Side)) {
+    ranks(2, name, body)
+}
+
+/// [`two_ranks`] with `world` ranks: ranks 1.. are re-runs of this test binary.
+pub fn ranks(world: usize, name: &str, body: impl FnOnce(&mut Side)) {
     let name = name.split_once("::").map_or(name, |(_, rest)| rest);
     let _rng = global_rng_lock();
     tch::set_num_threads(1);
     if let Ok(r) = std::env::var(RANK_ENV) {
         let port = std::env::var(PORT_ENV).expect("port").parse().expect("port number");
+        let world = std::env::var(WORLD_ENV).expect("world size").parse().expect("world size");
         let dir = std::env::var(DIR_ENV).expect("shared folder").into();
-        let mut side = Side { rank: r.parse().expect("rank"), port, peer: None, dir };
+        let mut side = Side { rank: r.parse().expect("rank"), world, port, peers: Vec::new(), dir };
         body(&mut side);
         return;
     }
     let port = free_port();
     let dir = tempfile::tempdir().expect("a temporary folder");
-    // The peer's libtest lines stay out of this test's output; its panics (stderr) show.
-    let child = Command::new(std::env::current_exe().expect("test binary"))
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(RANK_ENV, "1")
-        .env(PORT_ENV, port.to_string())
-        .env(DIR_ENV, dir.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawn rank 1");
-    let mut side = Side { rank: 0, port, peer: Some(Peer { child: Some(child) }), dir: dir.path().to_path_buf() };
+    // The peers' libtest lines stay out of this test's output; their panics (stderr) show.
+    let peers = (1..world)
+        .map(|rank| {
+            Peer::spawn(
+                Command::new(std::env::current_exe().expect("test binary"))
+                    .args([name, "--exact", "--nocapture", "--test-threads=1"])
+                    .env(RANK_ENV, rank.to_string())
+                    .env(WORLD_ENV, world.to_string())
+                    .env(PORT_ENV, port.to_string())
+                    .env(DIR_ENV, dir.path())
+                    .stdout(Stdio::null()),
+            )
+        })
+        .collect();
+    let mut side = Side { rank: 0, world, port, peers, dir: dir.path().to_path_buf() };
     body(&mut side);
-    if let Some(mut peer) = side.peer.take() {
+    for peer in &mut side.peers {
         peer.expect_success(PEER_DEADLINE);
     }
 }

@@ -10,7 +10,7 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::engine::Engine;
-use super::grads::{clear_grad, clip_grads, NonFiniteNorm};
+use super::grads::{clear_grad, clip_grads, scale_clipped, NonFiniteNorm};
 use super::groups::{resolve, ParamGroup, ResolvedGroup};
 use super::params::{copy_masters_to_model, ParamEntry};
 use super::rule::{HyperParams, UpdateRule};
@@ -20,10 +20,12 @@ use crate::scaling::OverflowReport;
 
 mod protocol;
 mod records;
+mod shard;
 
 pub(crate) use protocol::CollapseInfo;
 use protocol::PendingSkip;
-pub(crate) use records::ParamLayout;
+pub(crate) use records::{CheckedRecord, ParamLayout};
+pub(crate) use shard::Collectives;
 
 /// What [`AmpOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -176,6 +178,8 @@ pub struct AmpOptimizer {
     skipped: u64,
     /// The API that drove the last step, for the words of call-order errors.
     door: FrontDoor,
+    /// The process group and partition of a sharded optimizer.
+    shard: Option<shard::Shard>,
 }
 
 impl OptimizerSetup {
@@ -245,6 +249,40 @@ impl AmpOptimizer {
         Self::build(OptimizerSetup::PLAIN, Box::new(rule), None, lr, layout(vs, groups, false)?)
     }
 
+    /// torch's `ZeroRedundancyOptimizer(params, optimizer_class, process_group=pg, lr=lr)`: the
+    /// optimizer of [`Self::new`] sharded over the ranks of `pg` (ZeRO stage 1). The parameters
+    /// are partitioned as torch partitions them ([`Self::param_ranks`]: each parameter group in
+    /// turn, its parameters largest first, each to the rank holding the fewest elements so far),
+    /// so the same rank updates the same parameter as under torch. Each rank keeps the optimizer
+    /// state of its shard only and updates only it; `step` then broadcasts every rank's shard
+    /// (one collective per parameter, from its rank, as torch), so every rank holds the whole
+    /// updated model. Every rank builds it alike and calls `step` (and `clip_grad_norm`,
+    /// `consolidate_state_dict`) together: these are collectives, bounded by the group's timeout
+    /// ([`AmpError::Distributed`] otherwise).
+    ///
+    /// Gradients must be the same on every rank: wrap the model in
+    /// [`crate::distributed::DistributedDataParallel`] (pass the optimizer to it). Under a
+    /// [`crate::GradScaler`] the ranks check their shards' gradients and agree on the inf/NaN
+    /// verdict before anyone steps; `clip_grad_norm` clips by the norm over every rank's
+    /// gradients, bit for bit the unsharded norm. Checkpoints need the whole state on one rank:
+    /// [`Self::consolidate_state_dict`] or [`crate::distributed::save_checkpoint_on_rank0`]. Where
+    /// this differs from torch: `docs/distributed.md`.
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    pub fn sharded(
+        pg: &crate::distributed::ProcessGroup,
+        vs: &VarStore,
+        config: impl Into<OptimizerConfig>,
+        lr: f64,
+        groups: &[ParamGroup],
+    ) -> Result<Self> {
+        let config = config.into();
+        let comm: Box<dyn Collectives> = Box::new(pg.clone());
+        let layout = layout(vs, groups, false)?;
+        Self::build_sharded(OptimizerSetup::PLAIN, Box::new(config.rule()), Some(config), lr, layout, Some(comm))
+    }
+
     /// An optimizer running `rule` (made from `config` for the built-ins) over `layout`.
     pub(crate) fn build(
         setup: OptimizerSetup,
@@ -253,37 +291,78 @@ impl AmpOptimizer {
         lr: f64,
         layout: Layout,
     ) -> Result<Self> {
+        Self::build_sharded(setup, rule, config, lr, layout, None)
+    }
+
+    /// [`Self::build`], sharded over `comm`'s ranks when given: `layout` then holds no masters
+    /// and each rank makes those of its shard.
+    pub(crate) fn build_sharded(
+        setup: OptimizerSetup,
+        rule: Box<dyn UpdateRule>,
+        config: Option<OptimizerConfig>,
+        lr: f64,
+        layout: Layout,
+        comm: Option<Box<dyn Collectives>>,
+    ) -> Result<Self> {
         let mut inner = Engine::new(rule, config, lr, setup.fp32_optimizer_state)?;
         let defaults = inner.defaults().clone();
-        let mut entries = Vec::new();
+        // The groups (id, lr, hyper-parameters) and each entry with its group's position.
+        let mut groups: Vec<(usize, f64, HyperParams)> = Vec::new();
+        let mut entries: Vec<ParamEntry> = Vec::new();
+        let mut slots: Vec<usize> = Vec::new();
         match layout {
             Layout::TchGroups(list) => {
                 let mut ids: Vec<usize> = list.iter().map(ParamEntry::group).collect();
                 ids.sort_unstable();
                 ids.dedup();
-                for &id in &ids {
-                    inner.push_empty_group(id, lr, defaults.clone());
-                }
+                groups.extend(ids.iter().map(|&id| (id, lr, defaults.clone())));
                 for e in list {
-                    let gi = ids.iter().position(|&id| id == e.group()).unwrap_or(0);
-                    inner.push_param(e.name().to_string(), e.update_target().shallow_clone(), gi);
+                    slots.push(ids.iter().position(|&id| id == e.group()).unwrap_or(0));
                     entries.push(e);
                 }
             }
-            Layout::Groups(groups) => {
+            Layout::Groups(resolved) => {
                 // Check every group before building any.
-                let mut checked = Vec::with_capacity(groups.len());
-                for g in &groups {
+                for (id, g) in resolved.iter().enumerate() {
                     let glr = g.lr.unwrap_or(lr);
-                    checked.push((glr, inner.group_hyper(glr, &g.overrides)?));
+                    groups.push((id, glr, inner.group_hyper(glr, &g.overrides)?));
                 }
-                for (id, (g, (glr, hyper))) in groups.into_iter().zip(checked).enumerate() {
-                    let params =
-                        g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
-                    inner.push_group(id, glr, hyper, params);
+                for (slot, g) in resolved.into_iter().enumerate() {
+                    slots.extend(g.entries.iter().map(|_| slot));
                     entries.extend(g.entries);
                 }
             }
+        }
+        let shard = match comm {
+            Some(comm) => {
+                let mut shard = shard::Shard::new(comm);
+                let order = torch_order(&entries);
+                let per_group: Vec<Vec<(usize, usize)>> = (0..groups.len())
+                    .map(|slot| {
+                        order.iter().filter(|&&i| slots[i] == slot).map(|&i| (i, entries[i].model().numel())).collect()
+                    })
+                    .collect();
+                let numel: Vec<usize> = entries.iter().map(|e| e.model().numel()).collect();
+                shard.assign(&per_group, &numel);
+                if setup.master_weights {
+                    for (i, e) in entries.iter_mut().enumerate() {
+                        if shard.owns(i) {
+                            e.make_master()?;
+                        }
+                    }
+                }
+                Some(shard)
+            }
+            None => None,
+        };
+        for (id, glr, hyper) in groups {
+            inner.push_empty_group(id, glr, hyper);
+        }
+        for (e, &slot) in entries.iter().zip(&slots) {
+            inner.push_param(e.name().to_string(), e.update_target().shallow_clone(), slot);
+        }
+        if let Some(s) = &shard {
+            inner.set_skipped((0..entries.len()).map(|i| !s.owns(i)).collect());
         }
         let stash = entries.iter().map(|_| None).collect();
         inner.set_step_order(torch_order(&entries));
@@ -297,6 +376,7 @@ impl AmpOptimizer {
             steps: 0,
             skipped: 0,
             door: FrontDoor::default(),
+            shard,
         })
     }
 
@@ -385,8 +465,10 @@ impl AmpOptimizer {
     /// for the group's settings. Nothing changes then.
     pub fn add_param_group(&mut self, vs: &VarStore, group: ParamGroup) -> Result<usize> {
         let taken: Vec<&str> = self.param_names();
-        let mut resolved = resolve(vs, std::slice::from_ref(&group), &taken, self.setup.master_weights)?;
-        let g = resolved.pop().ok_or_else(|| mismatch("no group resolved"))?;
+        // A sharded optimizer makes the masters of its shard only, below.
+        let masters = self.setup.master_weights && self.shard.is_none();
+        let mut resolved = resolve(vs, std::slice::from_ref(&group), &taken, masters)?;
+        let mut g = resolved.pop().ok_or_else(|| mismatch("no group resolved"))?;
         let glr = g.lr.unwrap_or(self.inner.lr());
         let hyper = self.inner.group_hyper(glr, &g.overrides)?;
         if let (Some(d), Some(e)) = (self.device(), g.entries.first()) {
@@ -399,13 +481,32 @@ impl AmpOptimizer {
             }
         }
         let id = self.inner.groups().iter().map(|g| g.id + 1).max().unwrap_or(0);
+        // torch's ZeroRedundancyOptimizer partitions the new group after the others.
+        let first = self.entries.len();
+        if let Some(shard) = self.shard.as_mut() {
+            let local: Vec<usize> = torch_order(&g.entries);
+            let group: Vec<(usize, usize)> = local.iter().map(|&k| (first + k, g.entries[k].model().numel())).collect();
+            let numel: Vec<usize> = self.entries.iter().chain(&g.entries).map(|e| e.model().numel()).collect();
+            shard.assign(&[group], &numel);
+            if self.setup.master_weights {
+                for (k, e) in g.entries.iter_mut().enumerate() {
+                    if shard.owns(first + k) {
+                        e.make_master()?;
+                    }
+                }
+            }
+        }
         let params = g.entries.iter().map(|e| (e.name().to_string(), e.update_target().shallow_clone())).collect();
         self.inner.push_group(id, glr, hyper, params);
         for e in g.entries {
             self.entries.push(e);
             self.stash.push(None);
         }
+        if let Some(s) = &self.shard {
+            self.inner.set_skipped((0..self.entries.len()).map(|i| !s.owns(i)).collect());
+        }
         self.inner.set_step_order(torch_order(&self.entries));
+        self.state_changed();
         Ok(id)
     }
 
@@ -438,12 +539,17 @@ impl AmpOptimizer {
 
     /// The parameters this optimizer updates: the fp32 masters for low-precision model
     /// variables under master weights, the model's own variables otherwise (Apex's
-    /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`.
+    /// `amp.master_params(optimizer)`). Shallow clones: they share storage and `.grad`. A
+    /// sharded optimizer updates its rank's shard only: those, in [`Self::param_names`] order.
     pub fn master_params(&self) -> Vec<Tensor> {
-        self.entries.iter().map(|e| e.update_target().shallow_clone()).collect()
+        (0..self.entries.len())
+            .filter(|&i| self.owns(i))
+            .map(|i| self.entries[i].update_target().shallow_clone())
+            .collect()
     }
 
-    /// Names (VarStore paths) of the parameters, in the order of [`Self::master_params`].
+    /// Names (VarStore paths) of the parameters, in the optimizer's order (the order of records
+    /// and of [`Self::master_params`]; a sharded optimizer names every rank's parameters).
     pub fn param_names(&self) -> Vec<&str> {
         self.entries.iter().map(ParamEntry::name).collect()
     }
@@ -452,7 +558,8 @@ impl AmpOptimizer {
     ///
     /// Under O2 `scale_loss` makes the fp32 master gradients and releases the model's fp16
     /// ones, so with Adam the peak is 18 bytes per parameter (2 fp16 weight, 4 master, 4 fp32
-    /// grad, 8 state); Apex held 20: it kept the fp16 gradients too.
+    /// grad, 8 state); Apex held 20: it kept the fp16 gradients too. A sharded optimizer counts
+    /// what this rank holds (the masters and state of its shard) over every parameter.
     pub fn memory(&self) -> MemoryReport {
         let mut r = MemoryReport::default();
         for (e, st) in self.entries.iter().zip(self.inner.states()) {
@@ -603,7 +710,12 @@ impl AmpOptimizer {
     /// model and released (as Apex: zeroing the model's grads does not reach them).
     fn update(&mut self) -> Result<StepOutcome> {
         let update = |this: &mut Self| -> Result<()> {
-            this.inner.step()?;
+            // LAMB's global gradient norm, over every rank's shard.
+            let global = match this.shard.is_some() && this.inner.needs_global_norm() {
+                true => Some(this.global_norm(this.inner.grad_norms(2.0)?, 2.0)?),
+                false => None,
+            };
+            this.inner.step(global)?;
             copy_masters_to_model(&this.entries)
         };
         let result = if self.setup.disable_casts_in_step {
@@ -611,13 +723,17 @@ impl AmpOptimizer {
         } else {
             update(self)
         };
+        self.state_changed();
         if let Err(e) = result {
-            // The update may have stopped half-way: the model follows the masters as they are.
+            // The update may have stopped half-way: the model follows the masters as they are
+            // (and the other ranks get this rank's shard as it is, rather than waiting for it).
             copy_masters_to_model(&self.entries)?;
+            self.broadcast_shards()?;
             self.zero_grad()?;
             self.stage = Stage::Ready;
             return Err(e);
         }
+        self.broadcast_shards()?;
         for m in self.entries.iter().filter_map(ParamEntry::master) {
             clear_grad(m)?;
         }
@@ -669,23 +785,36 @@ impl AmpOptimizer {
     /// group in turn, its variables in creation order with each module's weight before its bias)
     /// so that the total is torch's to the bit; parameters without a gradient are ignored (0 when
     /// none has one); a non-finite norm is returned and the gradients are left unscaled. One host
-    /// sync (reading the norm).
+    /// sync (reading the norm). A sharded optimizer clips its shard by the norm over every rank's
+    /// gradients (bit for bit the unsharded norm): every rank calls it together.
     ///
     /// # Errors
     /// [`ConfigError::InvalidOption`] for a negative/non-finite `max_norm` or a `norm_type` that is
-    /// not positive.
+    /// not positive; [`AmpError::Distributed`] when a sharded optimizer's collective fails.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
         crate::optim::grads::check_clip_args(max_norm, norm_type)?;
         self.check_clip_stage()?;
         // In torch's parameter order, the order of Apex's `amp.master_params(optimizer)`: the
         // per-parameter norms are summed in it.
-        let order = torch_order(&self.entries);
-        let group_of = self.inner.group_of();
-        let params: Vec<Tensor> = (0..self.inner.groups().len())
-            .flat_map(|slot| order.iter().filter(move |&&i| group_of[i] == slot))
-            .map(|&i| self.entries[i].update_target().shallow_clone())
-            .collect();
-        let total = clip_grads(&params, max_norm, norm_type, NonFiniteNorm::Skip)?;
+        let order = self.inner.view_order();
+        let total = if self.shard.is_some() {
+            // Each rank's norms of its shard, reduced over the ranks as one process would.
+            let mut local = Vec::new();
+            let mut grads = Vec::new();
+            for &i in order.iter().filter(|&&i| self.owns(i)) {
+                let g = self.entries[i].update_target().grad();
+                if g.defined() {
+                    local.push((i, crate::sys::vector_norm(&g, norm_type)?));
+                    grads.push(g);
+                }
+            }
+            let total = self.global_norm(local, norm_type)?;
+            scale_clipped(&grads, &total, max_norm, NonFiniteNorm::Skip)?;
+            total
+        } else {
+            let params: Vec<Tensor> = order.iter().map(|&i| self.entries[i].update_target().shallow_clone()).collect();
+            clip_grads(&params, max_norm, norm_type, NonFiniteNorm::Skip)?
+        };
         crate::counters::note_host_read();
         total.f_double_value(&[]).ctx("reading the gradient norm")
     }
@@ -693,7 +822,7 @@ impl AmpOptimizer {
     /// Whether some fp16/bf16 parameter has no fp32 master (O3): the optimizer steps it in its
     /// own dtype unless `fp32_optimizer_state` is on.
     pub(crate) fn has_low_precision_params_without_masters(&self) -> bool {
-        self.entries.iter().any(|e| e.master().is_none() && crate::dtype::is_low_precision(e.model().kind()))
+        (0..self.entries.len()).any(|i| crate::dtype::is_low_precision(self.target_kind(i)))
     }
 
     /// Before a step: no fp16 model gradient bypassed the masters, and some parameter has a
@@ -715,7 +844,9 @@ impl AmpOptimizer {
             e.update_target().grad().defined()
                 || (model_grads_expected && e.master().is_some() && e.model().grad().defined())
         };
-        if !self.entries.iter().any(has_grad) {
+        // A rank's shard may have no gradient where the others' have: sharded, every rank steps
+        // (its broadcast is awaited).
+        if self.shard.is_none() && !self.entries.iter().any(has_grad) {
             return Err(AmpError::Usage(UsageError::NoGradients));
         }
         Ok(())

@@ -105,9 +105,20 @@ impl AmpOptimizer {
         Ok(Some(any == 0))
     }
 
+    /// [`Self::grads_all_zero`] over every rank of a sharded optimizer (a collective).
+    pub(crate) fn grads_all_zero_agreed(&self) -> Result<Option<bool>> {
+        let local = self.grads_all_zero()?;
+        self.agree_all_zero(local)
+    }
+
     /// The fp32 masters (of the fp16/bf16 parameters under master weights), shallow clones.
     pub(crate) fn masters(&self) -> Vec<Tensor> {
         self.entries.iter().filter_map(|e| e.master().map(Tensor::shallow_clone)).collect()
+    }
+
+    /// The fp32 masters by VarStore name (this rank's shard's for a sharded optimizer).
+    pub(crate) fn named_masters(&self) -> Vec<(String, Tensor)> {
+        self.entries.iter().filter_map(|e| e.master().map(|m| (e.name().to_string(), m.shallow_clone()))).collect()
     }
 
     /// For each parameter, whether it has an fp32 master.
@@ -132,10 +143,13 @@ impl AmpOptimizer {
         if matches!(self.stage, Stage::Scaled) {
             return Ok(());
         }
-        for (e, stash) in self.entries.iter().zip(self.stash.iter_mut()) {
+        for (i, (e, stash)) in self.entries.iter().zip(self.stash.iter_mut()).enumerate() {
+            let owned = self.shard.as_ref().map_or(true, |s| s.owns(i));
             match e.master() {
-                // Master grads keep accumulating; the fp16 grads must start empty.
+                // Master grads keep accumulating; the fp16 grads must start empty (and so must
+                // those of another rank's parameters, which are dropped at the exit).
                 Some(_) => clear_grad(e.model())?,
+                None if !owned => clear_grad(e.model())?,
                 None => *stash = take_grad(e.model())?,
             }
         }
@@ -163,6 +177,13 @@ impl AmpOptimizer {
         let mut fresh: Vec<Tensor> = Vec::new();
         let mut targets: Vec<(usize, Tensor)> = Vec::new();
         for (i, e) in self.entries.iter().enumerate() {
+            if !self.owns(i) {
+                // Another rank updates it (and checks its gradient, the same after DDP's
+                // averaging): released here.
+                clear_grad(e.model())?;
+                self.stash[i] = None;
+                continue;
+            }
             match e.master() {
                 Some(_) => {
                     if let Some(g) = take_grad(e.model())? {

@@ -133,6 +133,7 @@ impl AmpOptimizer {
     ) -> Result<(u64, ParamStateBuffers, Option<Tensor>)> {
         let e = &self.entries[i];
         let target = e.update_target();
+        let target_kind = self.target_kind(i);
         let mut specs = self.inner.rule().state_spec(hyper);
         specs.sort_by(|a, b| a.name().cmp(b.name()));
         if !p.buffers.is_empty() || p.step > 0 {
@@ -147,7 +148,7 @@ impl AmpOptimizer {
         }
         let mut buffers = ParamStateBuffers::new();
         for (spec, (k, v)) in specs.iter().zip(p.buffers) {
-            let (kind, shape) = spec.expected(target, self.inner.state_kind(target.kind()));
+            let (kind, shape) = self.inner.stored_state(spec, target_kind, &target.size());
             let v = checked_tensor(&format!("{}/{k}", p.name), v, &shape, target, kind)?;
             if spec.shape() == StateShape::Scalar && v.dim() != 0 {
                 return Err(mismatch(format!("{}/{k} must be a 0-dim tensor", p.name)));
@@ -241,6 +242,7 @@ impl AmpOptimizer {
         self.inner.restore(checked.lr, checked.groups, states);
         self.steps = checked.steps;
         self.skipped = checked.skipped;
+        self.state_changed();
         self.reset_transient()
     }
 
@@ -345,6 +347,7 @@ impl AmpOptimizer {
         self.inner.restore_params(checked.per_param);
         self.steps = checked.steps;
         self.skipped = checked.skipped;
+        self.state_changed();
         self.reset_transient()?;
         Ok((checked.missing, checked.unexpected))
     }
@@ -352,6 +355,7 @@ impl AmpOptimizer {
     /// Sets the fp32 masters of the parameters named in `values` (fp32 tensors on the
     /// parameters' device, already checked) and leaves the others.
     pub(crate) fn set_masters(&mut self, values: &BTreeMap<String, Tensor>) -> Result<()> {
+        self.state_changed();
         let _no_grad = tch::no_grad_guard();
         for e in &self.entries {
             if let (Some(m), Some(v)) = (e.master(), values.get(e.name())) {
@@ -369,15 +373,14 @@ impl AmpOptimizer {
     /// position, its place in the VarStore's creation order, whether it has an fp32 master and
     /// the dtype it is updated in.
     pub(crate) fn param_layout(&self) -> Vec<ParamLayout> {
+        // A sharded optimizer's parameters as their owners hold them (with a master there).
         self.entries
             .iter()
             .zip(self.inner.group_of())
-            .map(|(e, &slot)| ParamLayout {
-                group: e.group(),
-                slot,
-                order: e.order(),
-                has_master: e.master().is_some(),
-                kind: e.update_target().kind(),
+            .enumerate()
+            .map(|(i, (e, &slot))| {
+                let kind = self.target_kind(i);
+                ParamLayout { group: e.group(), slot, order: e.order(), has_master: kind != e.model().kind(), kind }
             })
             .collect()
     }
@@ -385,13 +388,13 @@ impl AmpOptimizer {
     /// The state tensors parameter `i` keeps in a group with hyper-parameters `hyper`, by
     /// name: (name, dtype, shape), sorted by name.
     pub(crate) fn state_layout(&self, i: usize, hyper: &HyperParams) -> Vec<(String, Kind, Vec<i64>)> {
-        let target = self.entries[i].update_target();
+        let (kind, size) = (self.target_kind(i), self.entries[i].model().size());
         let mut specs = self.inner.rule().state_spec(hyper);
         specs.sort_by(|a, b| a.name().cmp(b.name()));
         specs
             .iter()
             .map(|s| {
-                let (kind, shape) = s.expected(target, self.inner.state_kind(target.kind()));
+                let (kind, shape) = self.inner.stored_state(s, kind, &size);
                 (s.name().to_string(), kind, shape)
             })
             .collect()
