@@ -37,8 +37,10 @@ use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
 use tch_amp::diagnostics;
-use tch_amp::Autocast;
-use tch_amp::{Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, OptimizerConfig};
+use tch_amp::{
+    Amp, AmpConfig, AmpModel, AmpOptimizer, Autocast, CpuKernelChoice, CpuKernels, GradScaler, OpClass, OptLevel,
+    OptimizerConfig,
+};
 
 #[allow(dead_code)]
 #[path = "../examples/common/model.rs"]
@@ -63,6 +65,14 @@ impl Workload {
             Workload::Transformer => "transformer",
             Workload::MlpBig => "mlp-big",
             Workload::Resnet50 => "resnet50",
+        }
+    }
+    /// The operation classes whose CPU kernels this workload runs (its attention is written
+    /// out with matmul).
+    fn classes(self) -> &'static [OpClass] {
+        match self {
+            Workload::Cnn | Workload::Resnet50 => &[OpClass::Gemm, OpClass::Convolution],
+            _ => &[OpClass::Gemm],
         }
     }
     fn describe(self) -> &'static str {
@@ -102,7 +112,7 @@ enum AdamKernel {
 enum KernelRows {
     /// Only what `CpuKernels::Auto` chooses on this CPU.
     Chosen,
-    /// Native and emulated rows for each low-precision configuration.
+    /// Auto's rows, and native and emulated rows (every class) where they differ from Auto's.
     Both,
 }
 
@@ -142,7 +152,8 @@ struct Args {
     /// Which Adam the baselines run: keep it the algorithm tch-amp's Adam runs.
     #[arg(long, value_enum, default_value_t = AdamKernel::Fused)]
     adam_kernel: AdamKernel,
-    /// Low-precision rows: the kernels `Auto` chooses, or native and emulated both (CPU only).
+    /// Low-precision rows: the kernels `Auto` chooses (per operation class), or also every class
+    /// native and every class emulated where those differ from `Auto` (CPU only).
     #[arg(long, value_enum, default_value_t = KernelRows::Both)]
     kernels: KernelRows,
     /// Keep only the configurations whose label contains one of these (comma-separated; the
@@ -399,7 +410,8 @@ fn flops_per_step(w: Workload) -> f64 {
 enum Config {
     /// Hand-written tch loop in fp32 (`tf32`: with TF32 on, CUDA only).
     Loop { tf32: bool },
-    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how fp16/bf16 GEMMs run on CPU.
+    /// tch-amp at an opt level; `dtype` None for O0; `kernels` how every class of fp16/bf16 ops
+    /// runs on CPU.
     Amp { level: OptLevel, dtype: Option<Kind>, kernels: CpuKernels },
     /// tch-amp's torch.amp path: fp32 weights and an O0 optimizer, the forward under
     /// `tch_amp::Autocast` with `dtype` and `kernels`, the loss through `tch_amp::GradScaler`.
@@ -416,14 +428,24 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
-/// " (native)" / " (emulated, Auto's choice)" ...: how a CPU row's `kind` GEMMs run; "" on CUDA.
+/// Every class `mode`, or `None` where Auto's choice for `kind` mixes native and emulated.
+fn uniform_auto(kind: Kind) -> Option<CpuKernels> {
+    let auto = CpuFeatures::detect().auto_choice(kind);
+    [CpuKernels::Native, CpuKernels::Emulate].into_iter().find(|m| auto == CpuKernelChoice::all(*m))
+}
+
+/// " (native)" / " (emulated, Auto's choice)" / " (Auto)" ...: how a CPU row's `kind` ops run
+/// (Auto's per-class choice is in the header); "" on CUDA.
 fn kernels_note(kind: Kind, kernels: CpuKernels, cuda: bool) -> String {
     if cuda {
         return String::new();
     }
-    let auto = CpuFeatures::detect().auto_choice(kind) == kernels;
-    let which = if kernels == CpuKernels::Native { "native" } else { "emulated" };
-    format!(" ({which}{})", if auto { ", Auto's choice" } else { "" })
+    let which = |m: CpuKernels| if m == CpuKernels::Native { "native" } else { "emulated" };
+    match (kernels, uniform_auto(kind)) {
+        (CpuKernels::Auto, Some(m)) => format!(" ({}, Auto's choice)", which(m)),
+        (CpuKernels::Auto, None) => " (Auto)".to_string(),
+        (m, _) => format!(" ({})", which(m)),
+    }
 }
 
 impl Config {
@@ -472,24 +494,34 @@ fn configs(args: &Args, cuda: bool, python: bool) -> Vec<Config> {
         v.push(Config::Loop { tf32: true });
     }
     v.push(Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto });
+    // Auto's rows; with `--kernels both` also every class native and every class emulated
+    // where that is not what Auto chose.
+    let kernels = |k: Kind| {
+        let mut v = vec![CpuKernels::Auto];
+        if !cuda && args.kernels == KernelRows::Both {
+            v.extend([CpuKernels::Emulate, CpuKernels::Native].into_iter().filter(|m| uniform_auto(k) != Some(*m)));
+        }
+        v
+    };
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
         for k in [Kind::Half, Kind::BFloat16] {
-            let chosen = CpuFeatures::detect().auto_choice(k);
-            let mut kernels = vec![chosen];
-            if !cuda && args.kernels == KernelRows::Both {
-                kernels = vec![CpuKernels::Emulate, CpuKernels::Native];
-            }
-            for kernels in kernels {
+            for kernels in kernels(k) {
                 v.push(Config::Amp { level, dtype: Some(k), kernels });
             }
         }
     }
-    // Native rows run the same kernels as PyTorch's autocast rows; where Auto emulates, the
-    // emulated rows beside them.
+    // The torch.amp path: Auto's rows (its default), and native rows, which run the kernels of
+    // PyTorch's autocast rows.
     for dtype in [Kind::BFloat16, Kind::Half] {
-        v.push(Config::Autocast { dtype, kernels: CpuKernels::Native });
-        if !cuda && CpuFeatures::detect().auto_choice(dtype) == CpuKernels::Emulate {
-            v.push(Config::Autocast { dtype, kernels: CpuKernels::Emulate });
+        let mut ks = vec![CpuKernels::Auto];
+        if !cuda && uniform_auto(dtype) != Some(CpuKernels::Native) {
+            ks.push(CpuKernels::Native);
+        }
+        if !cuda && args.kernels == KernelRows::Both && uniform_auto(dtype).is_none() {
+            ks.push(CpuKernels::Emulate);
+        }
+        for kernels in ks {
+            v.push(Config::Autocast { dtype, kernels });
         }
     }
     if python {
@@ -1023,8 +1055,7 @@ fn gemm_gflops(device: Device, n: i64) -> f64 {
 fn overflow_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<serde_json::Value> {
     let w = Workload::Mlp;
     let (x, y) = data(w, bench.device);
-    let kernels = if bench.device.is_cuda() { CpuKernels::Auto } else { CpuFeatures::detect().auto_choice(Kind::Half) };
-    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels };
+    let c = Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels: CpuKernels::Auto };
     let mut r = bench.make_runner(w, c)?;
     let (mut clean, mut over, mut scans_clean, mut scans_over) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
@@ -1405,31 +1436,34 @@ struct MemoryRow {
 }
 
 /// The configurations of the step-memory table: O0, O1-O3 in fp16 with the kernels `Auto`
-/// chooses (and, where that is the emulation, O1 and O2 with libtorch's native kernels beside,
-/// at the measured batch only), and the torch.amp path with bf16.
+/// chooses, the torch.amp path in bf16 and fp16 with Auto's kernels, and on CPU O2 fp16 with
+/// every class native and with every class emulated where they differ from Auto's.
 fn memory_configs(cuda: bool) -> Vec<Config> {
-    let auto = CpuFeatures::detect().auto_choice(Kind::Half);
     let mut v = vec![Config::Amp { level: OptLevel::O0, dtype: None, kernels: CpuKernels::Auto }];
     for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
-        v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: auto });
+        v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: CpuKernels::Auto });
     }
-    if !cuda && auto == CpuKernels::Emulate {
-        for level in [OptLevel::O1, OptLevel::O2] {
-            v.push(Config::Amp { level, dtype: Some(Kind::Half), kernels: CpuKernels::Native });
+    for dtype in [Kind::BFloat16, Kind::Half] {
+        v.push(Config::Autocast { dtype, kernels: CpuKernels::Auto });
+    }
+    if !cuda {
+        for kernels in [CpuKernels::Native, CpuKernels::Emulate] {
+            if uniform_auto(Kind::Half) != Some(kernels) {
+                v.push(Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels });
+            }
         }
     }
-    v.push(Config::Autocast { dtype: Kind::BFloat16, kernels: CpuKernels::Native });
     v
 }
 
-/// Whether `c` runs libtorch's native fp16/bf16 CPU kernels where `CpuKernels::Auto` would not
-/// (they are many times slower than fp32 there: too slow to search large batches with).
-fn runs_slow_kernels(c: Config, cuda: bool) -> bool {
-    let auto = |k: Kind| CpuFeatures::detect().auto_choice(k);
+/// Whether `c` runs libtorch's native fp16/bf16 CPU kernels of a class of `w` known to be many
+/// times slower than fp32 on this CPU (too slow to search large batches with).
+fn runs_slow_kernels(c: Config, w: Workload, cuda: bool) -> bool {
+    let slow = |k: Kind| w.classes().iter().any(|c| CpuFeatures::detect().native_slowdown(*c, k).is_some());
     !cuda
         && match c {
-            Config::Amp { dtype: Some(k), kernels: CpuKernels::Native, .. } => auto(k) == CpuKernels::Emulate,
-            Config::Autocast { dtype, kernels: CpuKernels::Native } => auto(dtype) == CpuKernels::Emulate,
+            Config::Amp { dtype: Some(k), kernels: CpuKernels::Native, .. } => slow(k),
+            Config::Autocast { dtype, kernels: CpuKernels::Native } => slow(dtype),
             _ => false,
         }
 }
@@ -1470,7 +1504,7 @@ fn step_memory(bench: &Bench, w: Workload, budget: i64) -> Result<Vec<MemoryRow>
                 largest_batch,
                 searched,
             };
-            if runs_slow_kernels(c, cuda) {
+            if runs_slow_kernels(c, w, cuda) {
                 return Ok(row(probes, estimate, false));
             }
             // Bracket the largest fitting batch around the estimate, then bisect to 1%.
@@ -1553,6 +1587,63 @@ fn print_step_memory(w: Workload, rows: &[MemoryRow], budget_gib: f64) {
     }
 }
 
+/// Per level and torch.amp row of `w`: time vs O0 (from the timing table, when it ran), peak of
+/// a whole step and largest batch vs O0, against the CPU goals (Auto's rows: at most 1.2x O0's
+/// step time; O2's peak at most 0.65x O0's on the CNN; O2's largest batch at least 1.6x O0's).
+fn print_goals(w: Workload, rows: &[MemoryRow], times: &BTreeMap<(&'static str, String), f64>) {
+    let Some(o0) = rows.first() else { return };
+    println!();
+    println!("### {}: per level, against O0", w.name());
+    println!();
+    println!("| configuration | time vs O0 | peak / O0 | largest batch / O0 |");
+    println!("|---|---:|---:|---:|");
+    let mut worst_time: Option<(f64, &str)> = None;
+    for r in rows {
+        let time = times.get(&(w.name(), r.label.clone())).copied();
+        let auto_row = !r.label.contains("(native)") && !r.label.contains("(emulated)");
+        if let (Some(t), true, false) = (time, auto_row, r.label.ends_with(" O0")) {
+            if worst_time.map_or(true, |(m, _)| t > m) {
+                worst_time = Some((t, &r.label));
+            }
+        }
+        println!(
+            "| {} | {} | {:.3} | {:.2} |",
+            r.label,
+            time.map_or("-".to_string(), |t| format!("{t:.3}")),
+            r.at_batch.peak as f64 / o0.at_batch.peak as f64,
+            r.largest_batch as f64 / o0.largest_batch as f64
+        );
+    }
+    let o2 = rows.iter().find(|r| {
+        r.label.starts_with("tch-amp O2 fp16") && !r.label.contains("(native)") && !r.label.contains("(emulated)")
+    });
+    println!();
+    if let Some((t, label)) = worst_time {
+        println!("- Goal: every Auto row at most 1.2x O0's step time: the slowest is {label} at {t:.3}x.");
+    }
+    if let Some(o2) = o2 {
+        let peak = o2.at_batch.peak as f64 / o0.at_batch.peak as f64;
+        let batch = o2.largest_batch as f64 / o0.largest_batch as f64;
+        if w == Workload::Cnn {
+            println!(
+                "- Goal: O2's peak at most 0.65x O0's: {peak:.3}x ({}).",
+                if peak <= 0.65 { "met" } else { "not met" }
+            );
+        }
+        println!(
+            "- Goal: O2's largest batch at least 1.6x O0's: {batch:.2}x ({}).",
+            if batch >= 1.6 { "met" } else { "not met" }
+        );
+    }
+    let cpu = CpuFeatures::detect();
+    if !(cpu.avx512_bf16 || cpu.amx_bf16 || cpu.avx512_fp16 || cpu.amx_fp16) {
+        println!(
+            "- This CPU has no fp16/bf16 units: Auto emulates every class, which computes in fp32; \
+             16-bit kernels cannot run faster than fp32 here."
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // tch-amp's torch.amp path against PyTorch's
 
@@ -1561,7 +1652,7 @@ fn print_torch_amp_pairs(cfgs: &[Config], per_round: &[Vec<f64>], cuda: bool) {
     let pairs = [(Kind::BFloat16, "amp_bf16_scaler"), (Kind::Half, "amp_fp16")];
     let mut lines = Vec::new();
     for (k, mode) in pairs {
-        for kernels in [CpuKernels::Native, CpuKernels::Emulate] {
+        for kernels in [CpuKernels::Native, CpuKernels::Auto, CpuKernels::Emulate] {
             let ours = cfgs.iter().position(|c| *c == Config::Autocast { dtype: k, kernels });
             let theirs = cfgs.iter().position(|c| *c == Config::Torch(mode));
             if let (Some(a), Some(b)) = (ours, theirs) {
@@ -1664,11 +1755,7 @@ fn main() -> Result<()> {
     println!();
     println!("- device: {}{}", args.device, if cuda { "" } else { " (CPU)" });
     println!("- CPU: {} ({} physical cores): {}", cpu.name, cpu.physical_cores, cpu.summary());
-    println!(
-        "- CpuKernels::Auto chooses: fp16 {:?}, bf16 {:?}",
-        cpu.auto_choice(Kind::Half),
-        cpu.auto_choice(Kind::BFloat16)
-    );
+    println!("- CpuKernels::Auto chooses, per operation class: {}", cpu.auto_summary());
     println!("- threads: {} (libtorch intra-op, both in tch and PyTorch)", tch::get_num_threads());
     println!(
         "- C allocator: {} (PyTorch rows: the Python process's own)",
@@ -1699,6 +1786,8 @@ fn main() -> Result<()> {
     let mut bench = Bench { args, device, python, syncs: std::cell::RefCell::new(Vec::new()) };
     let mut out = Vec::new();
     let mut gemm_rates: Vec<f64> = Vec::new();
+    // Median time vs O0 of each (workload, row label), for the step-memory summary.
+    let mut time_vs_o0: BTreeMap<(&'static str, String), f64> = BTreeMap::new();
     let timed = if bench.args.no_timing { Vec::new() } else { bench.args.workloads.clone() };
     for &w in &timed {
         let (x, y) = data(w, device);
@@ -1763,6 +1852,11 @@ fn main() -> Result<()> {
                 host_syncs_per_step: (!syncs[i].is_empty()).then(|| median(&syncs[i])),
             });
         }
+        for r in &rows {
+            if let Some(v) = &r.vs_o0 {
+                time_vs_o0.insert((w.name(), r.label.clone()), v.median);
+            }
+        }
         print_workload(w, flops, gemm, &rows, &bench.args);
         print_torch_amp_pairs(&cfgs, &per_round, cuda);
         out.push(WorkloadOut { workload: w, description: w.describe(), gflop_per_step: flops / 1e9, rows });
@@ -1776,6 +1870,7 @@ fn main() -> Result<()> {
             for &w in &bench.args.workloads.clone() {
                 let rows = step_memory(&bench, w, budget)?;
                 print_step_memory(w, &rows, bench.args.budget_gib);
+                print_goals(w, &rows, &time_vs_o0);
                 step_memory_out.push(serde_json::json!({ "workload": w, "budget_bytes": budget, "rows": rows }));
             }
         }

@@ -4,7 +4,8 @@
 //! (seconds per epoch divided by O0's: 0.80x takes 20% less time), steps and training seconds
 //! to the target test accuracy, what the GEMMs and convolutions compute in (fp32, or fp16/bf16
 //! with libtorch's native kernels or tch-amp's fp32 emulation, as `CpuKernels::Auto` chose
-//! for this CPU), the peak memory of one training step, bytes of training state (weights +
+//! per operation class for this CPU), the peak memory of one training step and its ratio to
+//! O0's, the largest batch whose step fits `--budget-gib`, bytes of training state (weights +
 //! gradients + fp32 masters + optimizer state), skipped steps and the final loss scale.
 //! The rows `autocast-fp16` and `autocast-bf16` are PyTorch's own recipe through tch-amp: fp32
 //! weights, the forward under `tch_amp::Autocast` in that type and a `GradScaler`
@@ -32,15 +33,17 @@
 //! `--target-accuracy` gives the steps and the training seconds to reach it. The final test
 //! accuracy uses the whole test split.
 //!
-//! Peak memory (CPU only): after every level has been timed, each level runs one more training
-//! step on a fresh model with tch-amp's counting allocator installed
+//! Peak memory (CPU only): after every level has been timed, each level runs a few more training
+//! steps on a fresh model with tch-amp's counting allocator installed
 //! (`tch_amp::diagnostics::track_cpu_memory`), and the table gives the most bytes held during
-//! that step: weights, masters, optimizer state, the batch, activations and gradients. The
-//! counting allocator is installed only then, so that it costs the timed epochs nothing.
+//! a step at the batch size: weights, masters, optimizer state, the batch, activations and
+//! gradients. The same at twice the batch size gives the bytes per example, and the largest batch
+//! within `--budget-gib` follows (the peak is affine in the batch size). The counting allocator
+//! is installed only then, so that it costs the timed epochs nothing.
 //!
-//! The autocast rows make the Apex levels' choice of CPU kernels (`CpuKernels::Auto`): libtorch's
-//! own fp16/bf16 kernels where the CPU has fast units for the type, the fp32 emulation
-//! elsewhere. BENCHMARKS.md has this example's figures per machine.
+//! The autocast rows make the Apex levels' choice of CPU kernels (`CpuKernels::Auto`, per
+//! operation class): libtorch's own fp16/bf16 kernels where they are fast on this kind of CPU,
+//! the fp32 emulation elsewhere. BENCHMARKS.md has this example's figures per machine.
 //!
 //! SGD with Nesterov momentum and a cosine schedule is used rather than Adam: under O3 the
 //! optimizer runs on the fp16 weights, and Adam's `eps` (1e-8) is zero in fp16, so a small
@@ -55,8 +58,10 @@ use clap::Parser;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_amp::scaling::ScaleChange;
-use tch_amp::Autocast;
-use tch_amp::{initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, CpuKernels, GradScaler, OptLevel, StepOutcome};
+use tch_amp::{
+    initialize, Amp, AmpConfig, AmpModel, AmpOptimizer, Autocast, CpuKernelChoice, CpuKernels, GradScaler, OpClass,
+    OptLevel, StepOutcome,
+};
 
 use common::cli;
 use common::data::{Dataset, Split, DEFAULT_DATA_DIR};
@@ -170,6 +175,9 @@ struct Args {
     /// Do not draw curves.png.
     #[arg(long)]
     no_plot: bool,
+    /// Memory budget of the "largest batch" column, in GiB (CPU only).
+    #[arg(long, default_value_t = 2.0)]
+    budget_gib: f64,
     /// Device to train on: cpu, cuda (the first GPU) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = |s: &str| cli::parse_device(s).map(|_| s.trim().to_string()))]
     device: String,
@@ -207,6 +215,9 @@ struct LevelResult {
     kernels: String,
     memory: MemoryBytes,
     memory_total: u64,
+    /// The largest batch whose step peaks within `--budget-gib`, extrapolated from the peaks at
+    /// the batch size and twice it (CPU only).
+    largest_batch: Option<u64>,
     /// The most bytes held during one training step (CPU only; measured after the timed runs).
     peak_step_bytes: Option<u64>,
     evals: Vec<EvalPoint>,
@@ -438,6 +449,7 @@ fn train_level(
         memory,
         memory_total: memory.total(),
         peak_step_bytes: None,
+        largest_batch: None,
         evals,
         time_to_target,
         steps: step as u64,
@@ -449,10 +461,10 @@ fn train_level(
     })
 }
 
-/// The most bytes held during one training step of `run` on the first batch, on a fresh model,
-/// counted by tch-amp's counting CPU allocator: the peak is reset after `zero_grad` and read
-/// after the optimizer step. None off the CPU.
-fn peak_step_bytes(args: &Args, data: &Dataset, run: Run, device: Device) -> Result<Option<u64>> {
+/// The most bytes held during one training step of `run` on the first `batch` examples of the
+/// first epoch, on a fresh model, counted by tch-amp's counting CPU allocator: the peak is reset
+/// after `zero_grad` and read after the optimizer step. None off the CPU.
+fn peak_step_bytes(args: &Args, data: &Dataset, run: Run, device: Device, batch: usize) -> Result<Option<u64>> {
     if device != Device::Cpu {
         return Ok(None);
     }
@@ -461,8 +473,8 @@ fn peak_step_bytes(args: &Args, data: &Dataset, run: Run, device: Device) -> Res
     tch::manual_seed(args.seed as i64);
     let vs = nn::VarStore::new(device);
     let mut trainer = Trainer::new(args, data, run, &vs)?;
-    let batches = epoch_batches(data.train.len(), args.batch_size, args.seed, 0);
-    let (x, y) = data.train.batch(&batches[0]);
+    let order: Vec<i64> = epoch_batches(data.train.len(), 1, args.seed, 0).into_iter().flatten().collect();
+    let (x, y) = data.train.batch(&order[..batch.min(order.len())]);
     // The first step makes the optimizer state; the second is measured.
     let mut peak = 0;
     for measured in [false, true] {
@@ -501,38 +513,39 @@ fn warm_up(args: &Args, data: &Dataset, device: Device) {
     net.forward_t(&x, true).cross_entropy_for_logits(&y).backward();
 }
 
-/// "fp32", or the 16-bit type and whether its GEMMs and convolutions run libtorch's native
-/// kernels or tch-amp's fp32 emulation (`CpuKernels::Auto`, chosen from the CPU).
+/// "fp32", or the 16-bit type and whether this network's GEMMs and convolutions run libtorch's
+/// native kernels or tch-amp's fp32 emulation (`CpuKernels::Auto`, chosen per class from the
+/// CPU): "fp16 emulated", "bf16 native", or per class ("fp16 gemm native, conv emulated").
 fn kernels_of(trainer: &Trainer, device: Device) -> String {
     let name = |k: Kind| if k == Kind::Half { "fp16" } else { "bf16" };
+    let how = |k: Kind, choice: CpuKernelChoice| {
+        let word = |m: CpuKernels| if m == CpuKernels::Native { "native" } else { "emulated" };
+        let (gemm, conv) = (choice.get(OpClass::Gemm), choice.get(OpClass::Convolution));
+        if gemm == conv {
+            format!("{} {}", name(k), word(gemm))
+        } else {
+            format!("{} gemm {}, conv {}", name(k), word(gemm), word(conv))
+        }
+    };
     match trainer {
         Trainer::Autocast { dtype, .. } if device != Device::Cpu => format!("{} (CUDA)", name(*dtype)),
-        Trainer::Autocast { dtype, .. } => {
-            let how = match tch_amp::cast::CpuFeatures::detect().auto_choice(*dtype) {
-                CpuKernels::Native => "native",
-                _ => "emulated",
-            };
-            format!("{} {how}", name(*dtype))
-        }
+        Trainer::Autocast { dtype, .. } => how(*dtype, tch_amp::cast::CpuFeatures::detect().auto_choice(*dtype)),
         Trainer::Apex { amp, .. } => {
             let props = amp.properties();
             match (props.low_precision_kind(), props.cpu_kernels()) {
-                (None, _) => "fp32".into(),
+                (None, _) | (_, None) => "fp32".into(),
                 (Some(k), _) if device != Device::Cpu => format!("{} (CUDA)", name(k)),
-                (Some(k), kernels) => {
-                    let how = if kernels == Some(CpuKernels::Native) { "native" } else { "emulated" };
-                    format!("{} {how}", name(k))
-                }
+                (Some(k), Some(choice)) => how(k, choice),
             }
         }
     }
 }
 
-fn print_table(results: &[LevelResult], target: f64) {
+fn print_table(results: &[LevelResult], target: f64, budget_gib: f64) {
     let to_target = format!("to {target}%");
     println!();
     println!(
-        "{:<13} {:>9} {:>9} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
+        "{:<13} {:>9} {:>9} {:>11} {:>16} {:>30} {:>11} {:>8} {:>9} {:>11} {:>9} {:>11}",
         "level",
         "test acc",
         "s/epoch",
@@ -540,16 +553,23 @@ fn print_table(results: &[LevelResult], target: f64) {
         to_target,
         "GEMMs in",
         "peak step",
+        "peak/O0",
+        "max batch",
         "state",
         "skipped",
         "loss scale"
     );
+    let o0 = results.iter().find(|r| r.level == Run::Apex(OptLevel::O0));
     for r in results {
         let ratio = r.time_vs_o0.map_or("-".to_string(), |x| format!("{x:.2}x"));
+        let peak_ratio = match (r.peak_step_bytes, o0.and_then(|o| o.peak_step_bytes)) {
+            (Some(p), Some(o)) if o > 0 => format!("{:.2}x", p as f64 / o as f64),
+            _ => "-".to_string(),
+        };
         let reached =
             r.time_to_target.map_or("not reached".to_string(), |t| format!("{} st, {:.1} s", t.steps, t.train_seconds));
         println!(
-            "{:<13} {:>8.2}% {:>9.2} {:>11} {:>16} {:>14} {:>11} {:>11} {:>9} {:>11}",
+            "{:<13} {:>8.2}% {:>9.2} {:>11} {:>16} {:>30} {:>11} {:>8} {:>9} {:>11} {:>9} {:>11}",
             r.level.to_string(),
             r.test.top1,
             r.seconds_per_epoch,
@@ -557,6 +577,8 @@ fn print_table(results: &[LevelResult], target: f64) {
             reached,
             r.kernels,
             r.peak_step_bytes.map_or("-".to_string(), human),
+            peak_ratio,
+            r.largest_batch.map_or("-".to_string(), |b| b.to_string()),
             human(r.memory_total),
             format!("{}/{}", r.skipped, r.steps),
             r.final_loss_scale
@@ -565,9 +587,11 @@ fn print_table(results: &[LevelResult], target: f64) {
     println!(
         "time vs O0: seconds per epoch divided by O0's (0.80x = 20% less time than O0). {to_target}: steps and \
          training seconds until the periodic test evaluation first reached it. peak step: the most bytes held \
-         during one training step (weights, masters, optimizer state, batch, activations, gradients; CPU only). \
-         state: weights, gradients when the optimizer steps, fp32 masters and optimizer state. skipped: steps \
-         skipped after a gradient overflow / steps."
+         during one training step (weights, masters, optimizer state, batch, activations, gradients; CPU only), \
+         and its ratio to O0's. max batch: the largest batch whose step peaks within {budget_gib} GiB, from the \
+         peaks at the batch size and twice it (the peak is affine in the batch size). state: weights, \
+         gradients when the optimizer steps, fp32 masters and optimizer state. skipped: steps skipped after a \
+         gradient overflow / steps."
     );
 }
 
@@ -606,6 +630,9 @@ fn run() -> Result<()> {
     );
     let cpu = tch_amp::cast::CpuFeatures::detect();
     println!("CPU: {} ({} physical cores): {}", cpu.name, cpu.physical_cores, cpu.summary());
+    if device == Device::Cpu {
+        println!("CpuKernels::Auto chooses, per operation class: {}", cpu.auto_summary());
+    }
     warm_up(&args, &data, device);
     let mut log = StepLog::create(args.log.as_deref())?;
     let mut results: Vec<LevelResult> = Vec::new();
@@ -618,16 +645,25 @@ fn run() -> Result<()> {
     }
     log.flush()?;
     // After every timed run: the counting allocator stays installed once it is.
+    let budget = (args.budget_gib * (1u64 << 30) as f64) as u64;
     for r in &mut results {
-        r.peak_step_bytes = peak_step_bytes(&args, &data, r.level, device)
-            .with_context(|| format!("measuring the peak memory of a step under {}", r.level))?;
+        let at = |b: usize| {
+            peak_step_bytes(&args, &data, r.level, device, b)
+                .with_context(|| format!("measuring the peak memory of a step under {}", r.level))
+        };
+        r.peak_step_bytes = at(args.batch_size)?;
+        if let (Some(p1), Some(p2)) = (r.peak_step_bytes, at(2 * args.batch_size)?) {
+            let per_example = (p2.saturating_sub(p1) as f64 / args.batch_size as f64).max(1.0);
+            let fixed = p1 as f64 - per_example * args.batch_size as f64;
+            r.largest_batch = Some(((budget as f64 - fixed) / per_example).floor().max(0.0) as u64);
+        }
     }
     if let Some(base) = results.iter().find(|r| r.level == Run::Apex(OptLevel::O0)).map(|r| r.seconds_per_epoch) {
         for r in &mut results {
             r.time_vs_o0 = Some(r.seconds_per_epoch / base);
         }
     }
-    print_table(&results, args.target_accuracy);
+    print_table(&results, args.target_accuracy, args.budget_gib);
 
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("{}: cannot create the output folder", args.out.display()))?;

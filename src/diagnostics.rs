@@ -5,7 +5,7 @@ use tch::Device;
 
 use crate::error::{AmpError, Result};
 
-pub use crate::cast::emulation::emulated_ops;
+pub use crate::cast::emulation::{emulated_op_class, emulated_ops};
 pub use crate::cast::policy::aten_overloads;
 
 /// Whether tch-amp's cast kernels are registered in this process (they stay once they are).

@@ -56,7 +56,8 @@
 //! - Apex's `amp`: [`initialize`], [`AmpConfig`] / [`OptLevel`] / [`LossScale`] (and the
 //!   resolved [`Properties`]), [`Amp`] (`scale_loss`, with [`ScaleLossOptions`]), [`AmpModel`],
 //!   [`AmpOptimizer`] (`step` returns [`StepOutcome`]; `clip_grad_norm` on the masters),
-//!   [`disable_casts`] / [`without_casts`], [`CastPolicy`], [`CpuKernels`].
+//!   [`disable_casts`] / [`without_casts`], [`CastPolicy`], [`CpuKernels`] (per operation
+//!   class: [`CpuKernelChoice`], [`OpClass`]).
 //! - torch.amp: [`Autocast`] / [`autocast`] / [`AutocastScope`] (the one autocast guard, also
 //!   under Apex's O1 policy), [`fp32_region`] (`custom_fwd(cast_inputs=torch.float32)`),
 //!   [`GradScaler`]; a plain torch.optim optimizer is [`AmpOptimizer::new`].
@@ -123,7 +124,7 @@ pub mod torch_io;
 
 pub use amp::{initialize, Amp};
 pub use cast::autocast::{autocast, fp32_region, Autocast};
-pub use cast::cpu::CpuKernels;
+pub use cast::cpu::{CpuKernelChoice, CpuKernels, OpClass};
 pub use cast::disable::{disable_casts, without_casts};
 pub use cast::policy::CastPolicy;
 pub use cast::scope::AutocastScope;

@@ -382,20 +382,31 @@ fn fashion_mnist_compares_the_levels_asked_for() {
     let levels: Vec<&str> = lines.iter().map(|l| l["level"].as_str().unwrap()).collect();
     let want = ["O0", "O0", "O0", "O0", "O2", "O2", "O2", "O2", "autocast", "autocast", "autocast", "autocast"];
     assert_eq!(levels, want);
-    // The table has one row per level, O0 first with time vs O0 1.00x, and says what the
-    // GEMMs computed in (O2: fp16, native or emulated as CpuKernels::Auto chose).
-    assert!(stdout.contains("time vs O0"), "{stdout}");
+    // The table has one row per level, O0 first with time and peak vs O0 1.00x, and says what
+    // the GEMMs and convolutions computed in (O2: fp16, native or emulated per class as
+    // CpuKernels::Auto chose); the header names Auto's choice.
+    assert!(stdout.contains("time vs O0") && stdout.contains("peak/O0") && stdout.contains("max batch"), "{stdout}");
+    assert!(stdout.contains("CpuKernels::Auto chooses, per operation class: fp16: gemm "), "{stdout}");
     let rows: Vec<&str> =
         stdout.lines().filter(|l| l.starts_with("O0 ") || l.starts_with("O2 ") || l.starts_with("autocast ")).collect();
     assert_eq!(rows.len(), 3, "{stdout}");
     assert!(rows[0].contains("1.00x") && rows[0].contains("fp32"), "{stdout}");
-    assert!(rows[1].contains("fp16 emulated") || rows[1].contains("fp16 native"), "{stdout}");
-    // Autocast makes the opt levels' choice of CPU kernels.
-    let how = match tch_amp::cast::CpuFeatures::detect().auto_choice(tch::Kind::BFloat16) {
-        tch_amp::CpuKernels::Native => "bf16 native",
-        _ => "bf16 emulated",
+    assert_eq!(rows[0].matches("1.00x").count(), 2, "time and peak vs O0: {stdout}");
+    let how = |kind: tch::Kind, name: &str| {
+        let choice = tch_amp::cast::CpuFeatures::detect().auto_choice(kind);
+        let word = |m: tch_amp::CpuKernels| if m == tch_amp::CpuKernels::Native { "native" } else { "emulated" };
+        let (gemm, conv) = (choice.get(tch_amp::OpClass::Gemm), choice.get(tch_amp::OpClass::Convolution));
+        if gemm == conv {
+            format!("{name} {}", word(gemm))
+        } else {
+            format!("{name} gemm {}, conv {}", word(gemm), word(conv))
+        }
     };
-    assert!(rows[2].contains(how), "autocast: {how}: {stdout}");
+    let fp16 = how(tch::Kind::Half, "fp16");
+    assert!(rows[1].contains(&fp16), "O2: {fp16}: {stdout}");
+    // Autocast makes the opt levels' choice of CPU kernels.
+    let bf16 = how(tch::Kind::BFloat16, "bf16");
+    assert!(rows[2].contains(&bf16), "autocast: {bf16}: {stdout}");
     let record: Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("record.json")).unwrap()).unwrap();
     let results = record["results"].as_array().unwrap();
@@ -407,8 +418,10 @@ fn fashion_mnist_compares_the_levels_asked_for() {
         let evals: Vec<u64> = r["evals"].as_array().unwrap().iter().map(|e| e["step"].as_u64().unwrap()).collect();
         assert_eq!(evals, [2, 4], "{r}");
         assert_eq!(r["time_to_target"]["steps"], 2, "{r}");
-        // CPU: the peak of a step is measured, and it holds at least the training state.
+        // CPU: the peak of a step is measured, and it holds at least the training state; the
+        // largest batch within the 2 GiB budget is far above this small network's 64.
         assert!(r["peak_step_bytes"].as_u64().unwrap() > r["memory_total"].as_u64().unwrap(), "{r}");
+        assert!(r["largest_batch"].as_u64().is_some_and(|b| b > 64), "{r}");
         assert!(r["test"]["top1"].as_f64().is_some_and(|a| (0.0..=100.0).contains(&a)), "{r}");
         assert!(r["memory_total"].as_u64().unwrap() > 0);
         assert_eq!(r["losses"].as_array().unwrap().len(), 4);

@@ -4,7 +4,7 @@
 //! [`AutocastScope`]: per thread, nestable, restored on drop and on panic.
 use tch::{Device, Kind, Tensor};
 
-use super::cpu::{resolve as resolve_cpu_kernels, CpuKernels};
+use super::cpu::{resolve as resolve_cpu_kernels, warn_if_slow, CpuKernelChoice, CpuKernels, OpClass};
 use super::engine::{policy_active, torch_autocast_policy};
 use super::scope::{autocast_state, AutocastScope, AutocastState, Owner, PolicyChange};
 use crate::error::{AmpError, ConfigError, Result, TorchContext, UsageError};
@@ -31,24 +31,24 @@ use crate::error::{AmpError, ConfigError, Result, TorchContext, UsageError};
 /// ```
 ///
 /// # CPU kernels
-/// On CUDA, and on a CPU with fast units for the type (bf16: AVX512_BF16 or AMX; see
-/// [`crate::cast::CpuFeatures::native_is_fast`]), autocast runs libtorch's own fp16/bf16
-/// kernels, so forward and backward are torch.autocast's bit for bit. Elsewhere libtorch's
-/// fp16/bf16 CPU GEMMs and convolutions are many times slower than fp32, and autocast makes the
-/// Apex path's choice ([`Autocast::cpu_kernels`], [`CpuKernels::Auto`] by default): the ops of
-/// `opt_levels/emulate_cpu.toml` are cast as libtorch casts them (its weight cache included),
-/// computed in fp32 and their outputs rounded once to the autocast dtype, forward and backward
-/// (the contract of that file; results are within an ulp of libtorch's native kernels, plus
-/// fp32 summation order). Every other op, composites such as scaled_dot_product_attention
-/// included, runs libtorch's autocast kernel. [`CpuKernels::Native`] gives torch.autocast's
-/// kernels everywhere.
+/// On CUDA, autocast runs libtorch's own fp16/bf16 kernels, so forward and backward are
+/// torch.autocast's bit for bit. On the CPU it makes the Apex path's choice per operation class
+/// (GEMMs, convolutions, attention; [`Autocast::cpu_kernels`], [`CpuKernels::Auto`] by default,
+/// see [`crate::cast::CpuFeatures::native_is_fast`]): where libtorch's fp16/bf16 kernels of a
+/// class are slower than fp32 on this kind of CPU, its ops (`opt_levels/emulate_cpu.toml`) are
+/// cast as libtorch casts them (its weight cache included), computed in fp32 and their outputs
+/// rounded once to the autocast dtype, forward and backward (the contract of that file; results
+/// are within an ulp of libtorch's native kernels, plus fp32 summation order). Every other op
+/// runs libtorch's autocast kernel. Only [`CpuKernels::Native`] for every class reproduces
+/// torch.autocast's CPU results bit for bit on every CPU; the default does so on a CPU only
+/// where `Auto` picks native kernels for every class the model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Autocast {
     device: Device,
     dtype: Option<Kind>,
     enabled: bool,
     cache_enabled: Option<bool>,
-    cpu_kernels: CpuKernels,
+    cpu_kernels: CpuKernelChoice,
 }
 
 impl Autocast {
@@ -56,15 +56,28 @@ impl Autocast {
     /// `device_type`), enabled, in the thread's current autocast dtype for that type (bf16 on
     /// CPU and fp16 on CUDA unless an enclosing scope set another), the cache flag unchanged.
     pub fn new(device: Device) -> Self {
-        Self { device, dtype: None, enabled: true, cache_enabled: None, cpu_kernels: CpuKernels::Auto }
+        Self { device, dtype: None, enabled: true, cache_enabled: None, cpu_kernels: CpuKernelChoice::default() }
     }
 
-    /// How the CPU's fp16/bf16 GEMMs and convolutions run inside the scope (see "CPU kernels"
-    /// above): [`CpuKernels::Auto`] (the default) emulates them where the CPU has no fast
-    /// units for the dtype, [`CpuKernels::Native`] always runs libtorch's kernels (bit for bit
-    /// torch.autocast), [`CpuKernels::Emulate`] always emulates. No effect on CUDA.
+    /// How the CPU's fp16/bf16 GEMMs, convolutions and attention run inside the scope (see "CPU
+    /// kernels" above), every class alike: [`CpuKernels::Auto`] (the default) emulates a class
+    /// where libtorch's kernels for it are slow on this CPU, [`CpuKernels::Native`] always runs
+    /// libtorch's kernels (bit for bit torch.autocast), [`CpuKernels::Emulate`] always emulates.
+    /// No effect on CUDA.
     pub fn cpu_kernels(mut self, mode: CpuKernels) -> Self {
-        self.cpu_kernels = mode;
+        self.cpu_kernels = CpuKernelChoice::all(mode);
+        self
+    }
+
+    /// [`Self::cpu_kernels`] for one operation class; the others keep what was set.
+    pub fn cpu_kernels_class(mut self, class: OpClass, mode: CpuKernels) -> Self {
+        self.cpu_kernels = self.cpu_kernels.with(class, mode);
+        self
+    }
+
+    /// Every class's mode at once (e.g. parsed from `"native,attention=emulate"`).
+    pub fn cpu_kernel_choice(mut self, choice: CpuKernelChoice) -> Self {
+        self.cpu_kernels = choice;
         self
     }
 
@@ -142,9 +155,11 @@ impl Autocast {
         // A CPU scope decides the CPU kernels (an inner scope may change them); a disabled or
         // CUDA scope leaves them as they are.
         let policy = if enabled && self.device == Device::Cpu {
-            match resolve_cpu_kernels(self.cpu_kernels, dtype) {
-                CpuKernels::Emulate => PolicyChange::Activate(torch_autocast_policy(dtype)?),
-                _ => PolicyChange::Clear,
+            let choice = resolve_cpu_kernels(self.cpu_kernels, dtype);
+            warn_if_slow(choice, dtype);
+            match torch_autocast_policy(dtype, choice)? {
+                Some(policy) => PolicyChange::Activate(policy),
+                None => PolicyChange::Clear,
             }
         } else {
             PolicyChange::Keep

@@ -9,17 +9,23 @@
 //! libtorch's autocast on for one device type, which is what routes that thread's ops through
 //! the kernels. Threads without an active policy keep libtorch's own behaviour, exactly.
 use crate::error::{ConfigError, UsageError};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::sync::{Arc, Mutex};
 
-use once_cell::sync::OnceCell;
+use once_cell::sync::{Lazy, OnceCell};
 use tch::{Device, Kind};
 
-use super::emulation::emulated_ops;
+use super::cpu::{CpuKernelChoice, CpuKernels, OpClass};
+use super::emulation::emulated_op_table;
 use super::policy::CastPolicy;
 use super::scope::{torch_autocast_active, AutocastScope, Owner, PolicyChange};
 use super::settings::CastSettings;
 use crate::error::{AmpError, Result};
 use crate::sys::cast::{self as engine, EngineCategory, PolicyEntry, PolicyPtr};
+
+/// One op of a policy being built: device, category, op, emulation bits.
+type OwnedEntry = (Device, EngineCategory, String, c_int);
 
 /// One installed policy; dropping the last reference releases it.
 #[derive(Debug)]
@@ -46,7 +52,7 @@ fn standard_ops() -> Result<Vec<(Device, String)>> {
             ops.extend(policy.resolve(device)?.into_keys().map(|op| (device, op)));
         }
     }
-    ops.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, op)));
+    ops.extend(emulated_op_table()?.into_iter().map(|e| (Device::Cpu, e.op)));
     Ok(ops)
 }
 
@@ -95,63 +101,77 @@ pub fn install_policy(policy: CastPolicy, settings: CastSettings) -> Result<Poli
             expected: "Kind::Half or Kind::BFloat16",
         }));
     }
-    let mut owned: Vec<(Device, EngineCategory, String)> = Vec::new();
+    let mut owned: Vec<OwnedEntry> = Vec::new();
     for device in [Device::Cpu, Device::Cuda(0)] {
-        owned.extend(policy.resolve(device)?.into_iter().map(|(op, cast)| (device, cast.engine_category(), op)));
+        owned.extend(policy.resolve(device)?.into_iter().map(|(op, cast)| (device, cast.engine_category(), op, 0)));
     }
-    let mut emulate_dtypes = 0;
-    if settings.emulates(Kind::Half) {
-        emulate_dtypes |= engine::EMULATE_HALF;
-    }
-    if settings.emulates(Kind::BFloat16) {
-        emulate_dtypes |= engine::EMULATE_BFLOAT16;
-    }
-    if emulate_dtypes != 0 {
-        owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
-    }
-    let ptr = install_entries(owned, settings.allow_banned, emulate_dtypes, false)?;
-    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings: settings.resolved() }) })
+    let settings = settings.resolved();
+    owned.extend(emulation_entries(|class| {
+        [(Kind::Half, engine::EMULATE_HALF), (Kind::BFloat16, engine::EMULATE_BFLOAT16)]
+            .into_iter()
+            .filter(|(kind, _)| settings.emulates_class(*kind, class))
+            .fold(0, |bits, (_, bit)| bits | bit)
+    })?);
+    let ptr = install_entries(owned, settings.allow_banned, false)?;
+    Ok(PolicyHandle { inner: Arc::new(Installed { ptr, policy, settings }) })
+}
+
+/// The emulation list's entries for the classes to which `dtypes` gives a nonzero mask
+/// ([`engine::EMULATE_HALF`] | [`engine::EMULATE_BFLOAT16`]).
+fn emulation_entries(dtypes: impl Fn(OpClass) -> c_int) -> Result<Vec<OwnedEntry>> {
+    Ok(emulated_op_table()?
+        .into_iter()
+        .filter_map(|e| {
+            let mask = dtypes(e.class);
+            let recompute = if e.recompute { engine::EMULATE_RECOMPUTE } else { 0 };
+            (mask != 0).then_some((Device::Cpu, EngineCategory::Emulate, e.op, mask | recompute))
+        })
+        .collect())
 }
 
 /// Installs a policy of `owned` entries; the first install of the process also registers the
 /// standard ops.
-fn install_entries(
-    mut owned: Vec<(Device, EngineCategory, String)>,
-    allow_banned: bool,
-    emulate_dtypes: i32,
-    torch_autocast: bool,
-) -> Result<PolicyPtr> {
+fn install_entries(mut owned: Vec<OwnedEntry>, allow_banned: bool, torch_autocast: bool) -> Result<PolicyPtr> {
     let first = STANDARD_REGISTERED.get().is_none();
     if first {
-        owned.extend(standard_ops()?.into_iter().map(|(device, op)| (device, EngineCategory::Passthrough, op)));
+        owned.extend(standard_ops()?.into_iter().map(|(device, op)| (device, EngineCategory::Passthrough, op, 0)));
     }
-    let entries: Vec<PolicyEntry<'_>> = owned.iter().map(|(d, c, op)| (*d, *c, op.as_str())).collect();
-    let ptr = engine::install(&entries, allow_banned, emulate_dtypes, torch_autocast)?;
+    let entries: Vec<PolicyEntry<'_>> = owned.iter().map(|(d, c, op, e)| (*d, *c, op.as_str(), *e)).collect();
+    let ptr = engine::install(&entries, allow_banned, torch_autocast)?;
     if first {
         let _ = STANDARD_REGISTERED.set(());
     }
     Ok(ptr)
 }
 
-/// torch.amp's autocast with `kind`'s (`Half` or `BFloat16`) CPU GEMMs and convolutions
-/// emulated: libtorch's own autocast kernels for every other op. Installed once per type and
-/// process.
-pub(crate) fn torch_autocast_policy(kind: Kind) -> Result<&'static PolicyPtr> {
-    static HALF: OnceCell<PolicyPtr> = OnceCell::new();
-    static BFLOAT16: OnceCell<PolicyPtr> = OnceCell::new();
-    let (cell, mask) = match kind {
-        Kind::Half => (&HALF, engine::EMULATE_HALF),
-        _ => (&BFLOAT16, engine::EMULATE_BFLOAT16),
-    };
-    cell.get_or_try_init(|| {
-        let mut owned: Vec<(Device, EngineCategory, String)> = CastPolicy::torch_native()
-            .resolve(Device::Cpu)?
-            .into_iter()
-            .map(|(op, cast)| (Device::Cpu, cast.engine_category(), op))
-            .collect();
-        owned.extend(emulated_ops()?.into_iter().map(|op| (Device::Cpu, EngineCategory::Emulate, op)));
-        install_entries(owned, false, mask, true)
-    })
+/// torch.amp's autocast with the classes that `choice` (resolved) emulates of `kind`'s (`Half`
+/// or `BFloat16`) CPU ops: libtorch's own autocast kernels for every other op. `None` when
+/// `choice` emulates no class (libtorch's own kernels throughout: no policy). Installed once per
+/// type and set of emulated classes, for the life of the process (at most 14).
+pub(crate) fn torch_autocast_policy(kind: Kind, choice: CpuKernelChoice) -> Result<Option<&'static PolicyPtr>> {
+    /// Keyed by (fp16?, which classes are emulated).
+    type Policies = HashMap<(bool, [bool; 3]), &'static PolicyPtr>;
+    static POLICIES: Lazy<Mutex<Policies>> = Lazy::new(Default::default);
+    let emulated = OpClass::ALL.map(|c| choice.get(c) == CpuKernels::Emulate);
+    if !emulated.contains(&true) {
+        return Ok(None);
+    }
+    let key = (kind == Kind::Half, emulated);
+    let mut policies = POLICIES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = policies.get(&key) {
+        return Ok(Some(*p));
+    }
+    let bit = if kind == Kind::Half { engine::EMULATE_HALF } else { engine::EMULATE_BFLOAT16 };
+    let mut owned: Vec<OwnedEntry> = CastPolicy::torch_native()
+        .resolve(Device::Cpu)?
+        .into_iter()
+        .map(|(op, cast)| (Device::Cpu, cast.engine_category(), op, 0))
+        .collect();
+    owned.extend(emulation_entries(|class| if choice.get(class) == CpuKernels::Emulate { bit } else { 0 })?);
+    // Kept for the life of the process (one per key), so activations may borrow it.
+    let ptr: &'static PolicyPtr = Box::leak(Box::new(install_entries(owned, false, true)?));
+    policies.insert(key, ptr);
+    Ok(Some(ptr))
 }
 
 impl PolicyHandle {

@@ -1,5 +1,6 @@
 //! The cast engine: O1's per-op casts (Apex's cast lists as a libtorch dispatcher policy) and the
-//! CPU emulation of fp16/bf16 GEMMs and convolutions (O1, O2 and O3).
+//! CPU emulation of fp16/bf16 GEMMs, convolutions and attention (O1, O2, O3 and torch.amp's CPU
+//! autocast).
 //!
 //! Apex's O1 monkey-patched Python functions (`torch.nn.functional.linear`, `torch.exp`,
 //! `Tensor.__add__`, ...) so that their inputs were cast before they ran. tch programs call
@@ -33,8 +34,9 @@ pub(crate) mod settings;
 
 pub(crate) use cache::cast_cache_len;
 pub use cache::clear_cast_cache;
-pub(crate) use cpu::CpuKernels;
+pub(crate) use cpu::warn_if_slow as warn_if_slow_cpu_kernels;
 pub use cpu::{freed_cpu_memory_kept, keep_freed_cpu_memory, CpuFeatures};
+pub(crate) use cpu::{CpuKernelChoice, CpuKernels, OpClass};
 pub use disable::DisableCastsGuard;
 pub use engine::{install_policy, PolicyHandle};
 pub(crate) use engine::{kernels_registered, libtorch_autocast_ops, policy_active};

@@ -5,7 +5,7 @@ use tch::Kind;
 
 use super::table::parse_dtype;
 use super::{LossScale, OptLevel};
-use crate::cast::{CastPolicy, CpuKernels};
+use crate::cast::{CastPolicy, CpuKernelChoice, CpuKernels, OpClass};
 use crate::error::{AmpError, Result};
 
 /// `initialize`'s options: an opt level and Apex's overrides. A field left unset means "the
@@ -39,8 +39,8 @@ pub struct AmpConfig {
     pub(super) verbosity: Option<u8>,
     pub(super) low_precision_dtype: Option<Kind>,
     pub(super) allow_banned: Option<bool>,
-    pub(super) cpu_fp16: Option<CpuKernels>,
-    pub(super) cpu_bf16: Option<CpuKernels>,
+    pub(super) cpu_fp16: Option<CpuKernelChoice>,
+    pub(super) cpu_bf16: Option<CpuKernelChoice>,
     pub(super) cast_policy: Option<CastPolicy>,
     pub(super) fp32_optimizer_state: Option<bool>,
     pub(super) hysteresis: Option<u32>,
@@ -230,21 +230,35 @@ impl AmpConfig {
         self.allow_banned = Some(allow);
         self
     }
-    /// How fp16 and bf16 GEMMs and convolutions run on the CPU (default [`CpuKernels::Auto`]:
-    /// libtorch's native kernels where the CPU has fast ones for the type, see
-    /// [`crate::cast::CpuFeatures::native_is_fast`], the fp32 emulation elsewhere). The choice
-    /// is made at `initialize` and shown by [`crate::Properties::cast_settings`].
+    /// How every class of fp16 and bf16 ops runs on the CPU (default [`CpuKernels::Auto`]:
+    /// libtorch's native kernels where they were measured fast for the class and type on this
+    /// kind of CPU, see [`crate::cast::CpuFeatures::native_is_fast`], the fp32 emulation
+    /// elsewhere). The choice is made at `initialize` and shown by
+    /// [`crate::Properties::cast_settings`]; forcing [`CpuKernels::Native`] where it is known to
+    /// be many times slower than fp32 logs a warning once.
     pub fn cpu_kernels(mut self, mode: CpuKernels) -> Self {
-        self.cpu_fp16 = Some(mode);
-        self.cpu_bf16 = Some(mode);
+        self.cpu_fp16 = Some(CpuKernelChoice::all(mode));
+        self.cpu_bf16 = Some(CpuKernelChoice::all(mode));
         self
     }
     /// [`Self::cpu_kernels`] for one type (`Kind::Half` or `Kind::BFloat16`; other kinds
     /// change nothing).
-    pub fn cpu_kernels_for(mut self, kind: Kind, mode: CpuKernels) -> Self {
+    pub fn cpu_kernels_for(self, kind: Kind, mode: CpuKernels) -> Self {
+        self.cpu_kernel_choice(kind, CpuKernelChoice::all(mode))
+    }
+    /// [`Self::cpu_kernels`] for one operation class, both types; the other classes keep what
+    /// was set (`Auto` unless set).
+    pub fn cpu_kernels_class(mut self, class: OpClass, mode: CpuKernels) -> Self {
+        self.cpu_fp16 = Some(self.cpu_fp16.unwrap_or_default().with(class, mode));
+        self.cpu_bf16 = Some(self.cpu_bf16.unwrap_or_default().with(class, mode));
+        self
+    }
+    /// Every class's mode for one type (`Kind::Half` or `Kind::BFloat16`; other kinds change
+    /// nothing), e.g. parsed from `"native,convolution=emulate"` ([`CpuKernelChoice`]).
+    pub fn cpu_kernel_choice(mut self, kind: Kind, choice: CpuKernelChoice) -> Self {
         match kind {
-            Kind::Half => self.cpu_fp16 = Some(mode),
-            Kind::BFloat16 => self.cpu_bf16 = Some(mode),
+            Kind::Half => self.cpu_fp16 = Some(choice),
+            Kind::BFloat16 => self.cpu_bf16 = Some(choice),
             _ => {}
         }
         self

@@ -2,7 +2,7 @@
 use tch::Kind;
 
 use super::{LossScale, OptLevel};
-use crate::cast::{CastPolicy, CastSettings, CpuKernels};
+use crate::cast::{CastPolicy, CastSettings, CpuKernelChoice};
 
 /// Options in force after `initialize`: the opt level's defaults with overrides applied and
 /// Apex's rules checked. Built by [`crate::AmpConfig::build`]; read-only.
@@ -89,8 +89,9 @@ impl Properties {
         self.verbosity
     }
     /// The cast engine's switches: O1's low-precision dtype, `allow_banned`, and how fp16/bf16
-    /// GEMMs and convolutions run on the CPU (O1, O2 and O3), `Auto` already resolved to
-    /// [`CpuKernels::Native`] or [`CpuKernels::Emulate`] for this CPU.
+    /// GEMMs, convolutions and attention run on the CPU (O1, O2 and O3), `Auto` already resolved
+    /// class by class to [`crate::CpuKernels::Native`] or [`crate::CpuKernels::Emulate`] for
+    /// this CPU.
     pub fn cast_settings(&self) -> CastSettings {
         self.cast_settings
     }
@@ -105,9 +106,9 @@ impl Properties {
         }
         self.cast_model_type.filter(|k| matches!(k, Kind::Half | Kind::BFloat16))
     }
-    /// How this configuration's fp16/bf16 GEMMs and convolutions run on the CPU (resolved for
-    /// [`Self::low_precision_kind`]); `None` when it computes in fp32.
-    pub fn cpu_kernels(&self) -> Option<CpuKernels> {
+    /// How this configuration's fp16/bf16 GEMMs, convolutions and attention run on the CPU
+    /// (resolved for [`Self::low_precision_kind`]); `None` when it computes in fp32.
+    pub fn cpu_kernels(&self) -> Option<CpuKernelChoice> {
         self.low_precision_kind().map(|k| self.cast_settings.cpu_kernels_of(k))
     }
     /// The O1 cast policy (Apex's lists unless another was given).

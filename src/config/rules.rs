@@ -5,7 +5,7 @@ use tch::Kind;
 
 use super::scale_constants as consts;
 use super::{AmpConfig, LossScale, OptLevel, Properties};
-use crate::cast::{CastPolicy, CastSettings};
+use crate::cast::{warn_if_slow_cpu_kernels, CastPolicy, CastSettings};
 use crate::error::{AmpError, Result};
 
 fn incompatible(level: OptLevel, option: &'static str, why: &'static str) -> AmpError {
@@ -192,7 +192,7 @@ impl AmpConfig {
         if recovery_growth_interval == Some(0) {
             return Err(invalid("recovery_growth_interval", 0, "at least 1"));
         }
-        Ok(Properties {
+        let props = Properties {
             enabled: self.enabled.unwrap_or(true),
             opt_level: level,
             cast_model_type,
@@ -221,6 +221,10 @@ impl AmpConfig {
             recovery_growth_interval,
             scale_history_len: self.scale_history_len.unwrap_or(consts::DEFAULT_HISTORY_LEN),
             check_static_overflow: self.check_static_overflow.unwrap_or(false),
-        })
+        };
+        if let Some(kind) = props.low_precision_kind() {
+            warn_if_slow_cpu_kernels(props.cast_settings().cpu_kernels_of(kind), kind);
+        }
+        Ok(props)
     }
 }

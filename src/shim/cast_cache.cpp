@@ -55,11 +55,11 @@ at::Tensor cached(const at::Tensor& t, const CacheKey& key, Make&& make) {
   return out;
 }
 
+}  // namespace
+
 bool cacheable_weight(const at::Tensor& t) {
   return t.requires_grad() && t.is_leaf() && !t.is_view() && !t.is_inference();
 }
-
-}  // namespace
 
 bool eligible(const at::Tensor& t, int dev) {
   if (!t.defined() || !is_managed_float(t.scalar_type())) return false;

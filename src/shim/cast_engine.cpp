@@ -92,15 +92,13 @@ struct Entry {
   int dev;
   int category;
   c10::OperatorName name;
+  uint8_t emulate;
 };
 
 // Registers (once) what `entries` and libtorch's own Autocast ops need, then builds the policy.
-void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulate_dtypes, bool torch_autocast,
-             void** out) {
+void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, bool torch_autocast, void** out) {
   *out = nullptr;
   TORCH_CHECK(n >= 0 && (n == 0 || raw != nullptr), "invalid cast-policy entry list");
-  TORCH_CHECK(emulate_dtypes >= 0 && emulate_dtypes <= (kEmulateHalf | kEmulateBFloat16),
-              "invalid emulated-dtype mask ", emulate_dtypes);
   std::vector<Entry> entries;
   entries.reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -109,7 +107,13 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
     TORCH_CHECK(r.category >= 0 && r.category <= kEmulate, "cast-policy entry ", i, ": unknown category ", r.category);
     TORCH_CHECK(r.name != nullptr && r.overload != nullptr, "cast-policy entry ", i, ": null op name");
     TORCH_CHECK(r.category != kEmulate || r.device == kCpu, "emulation is CPU-only: ", r.name);
-    entries.push_back(Entry{r.device, r.category, c10::OperatorName(std::string("aten::") + r.name, r.overload)});
+    constexpr int all_bits = kEmulateHalf | kEmulateBFloat16 | kEmulateRecompute;
+    TORCH_CHECK(r.category == kEmulate ? (r.emulate & (kEmulateHalf | kEmulateBFloat16)) != 0 &&
+                                             (r.emulate & ~all_bits) == 0
+                                       : r.emulate == 0,
+                "cast-policy entry ", i, ": invalid emulation bits ", r.emulate);
+    entries.push_back(Entry{r.device, r.category, c10::OperatorName(std::string("aten::") + r.name, r.overload),
+                            static_cast<uint8_t>(r.emulate)});
   }
 
   auto& e = engine();
@@ -162,7 +166,6 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
   auto policy = std::make_shared<Policy>();
   policy->allow_banned = allow_banned;
   policy->torch_autocast = torch_autocast;
-  policy->emulate_dtypes = static_cast<uint8_t>(emulate_dtypes);
   const size_t count = e.names.size();
   for (int dev = 0; dev < kDevices; ++dev) policy->category[dev].assign(count, 0);
   policy->emulate.assign(count, 0);
@@ -170,7 +173,7 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
   for (const auto& en : entries) {
     const size_t id = e.id_of(en.name);
     if (en.category == kEmulate) {
-      policy->emulate[id] = 1;
+      policy->emulate[id] = en.emulate;
       any_emulated = true;
     } else if (en.category != static_cast<int>(Category::Passthrough)) {
       policy->category[en.dev][id] = static_cast<uint8_t>(en.category);
@@ -185,7 +188,6 @@ void install(const tch_amp_cast_entry* raw, int n, bool allow_banned, int emulat
     auto inner = std::make_shared<Policy>();
     for (int dev = 0; dev < kDevices; ++dev) inner->category[dev].assign(count, 0);
     inner->emulate = policy->emulate;
-    inner->emulate_dtypes = policy->emulate_dtypes;
     inner->emulation_only = true;
     policy->inner = std::move(inner);
   }
@@ -236,13 +238,12 @@ char* tch_amp_libtorch_autocast_ops(int dev, void* ctx, tch_amp_string_sink sink
   })
 }
 
-// Builds a policy from `n` entries (registering what is not registered yet); `emulate_dtypes`
-// says which 16-bit types the emulation entries apply to (kEmulateHalf | kEmulateBFloat16);
-// `torch_autocast` makes it torch.amp's autocast with CPU emulation (Policy::torch_autocast).
+// Builds a policy from `n` entries (registering what is not registered yet); `torch_autocast`
+// makes it torch.amp's autocast with CPU emulation (Policy::torch_autocast).
 // *out receives its handle, to be released with tch_amp_cast_policy_release.
-char* tch_amp_cast_policy_install(const tch_amp_cast_entry* entries, int n, int allow_banned, int emulate_dtypes,
-                                  int torch_autocast, void** out) {
-  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, emulate_dtypes, torch_autocast != 0, out))
+char* tch_amp_cast_policy_install(const tch_amp_cast_entry* entries, int n, int allow_banned, int torch_autocast,
+                                  void** out) {
+  TCH_AMP_PROTECT(install(entries, n, allow_banned != 0, torch_autocast != 0, out))
 }
 
 // Releases a policy handle. The registrations stay (see the top of this file).

@@ -186,7 +186,7 @@ class CastKernel final : public c10::OperatorKernel {
       return;
     }
     const std::optional<at::ScalarType> low = uniform_low(stack, nargs);
-    if (low.has_value() && policy.emulates_dtype(*low)) {
+    if (low.has_value() && policy.emulates(id_, *low)) {
       c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
       run_emulated(op, below, stack, nargs, policy);
     } else if (native_.has_value()) {
@@ -285,35 +285,20 @@ class CastKernel final : public c10::OperatorKernel {
     }
   }
 
-  // The floating (fp32) outputs of an emulated op rounded to `to`.
-  static void round_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::ScalarType to) {
-    const size_t nret = op.schema().returns().size();
-    auto first = stack->end() - static_cast<std::ptrdiff_t>(nret);
-    for (size_t i = 0; i < nret; ++i) {
-      c10::IValue& v = first[static_cast<std::ptrdiff_t>(i)];
-      if (v.isTensor()) {
-        const at::Tensor& t = v.toTensor();
-        if (t.defined() && t.scalar_type() == at::kFloat) v = t.to(to);
-      }
-    }
-  }
-
   // CPU low-precision emulation: when every floating input is the same 16-bit type D, compute
   // the op in fp32 from the (already rounded) inputs and round the floating outputs to D —
-  // what a Tensor-Core GEMM does (fp16 in, fp32 accumulate, fp16 out). The casts are made
-  // here, above autograd, so backward has the same rounding points.
+  // what a Tensor-Core GEMM does (fp16 in, fp32 accumulate, fp16 out). Backward has the same
+  // rounding points and keeps the 16-bit inputs (cast_emulation.cpp).
   void run_emulated(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack,
                     size_t nargs, const Policy& policy) const {
     const std::optional<at::ScalarType> low = uniform_low(stack, nargs);
-    if (!low.has_value() || !policy.emulates_dtype(*low)) {
+    if (!low.has_value() || !policy.emulates(id_, *low)) {
       // Mixed or full-precision inputs, or a type this policy runs natively: the native
       // kernel decides.
       op.redispatchBoxed(below, stack);
       return;
     }
-    map_tensor_args(stack, nargs, false, [&](const at::Tensor& t) { return cast_tensor(t, at::kFloat, kCpu); });
-    op.redispatchBoxed(below, stack);
-    round_outputs(op, stack, *low);
+    run_emulated_op(op, below, stack, nargs, *low, policy.recomputes(id_));
     ++tls_emulated[*low == at::kHalf ? 0 : 1];
   }
 

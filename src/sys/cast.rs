@@ -30,6 +30,7 @@ struct CastEntry {
     category: c_int,
     name: *const c_char,
     overload: *const c_char,
+    emulate: c_int,
 }
 
 type StringSink = unsafe extern "C" fn(ctx: *mut c_void, s: *const c_char);
@@ -41,7 +42,6 @@ extern "C" {
         entries: *const CastEntry,
         n: c_int,
         allow_banned: c_int,
-        emulate_dtypes: c_int,
         torch_autocast: c_int,
         out: *mut *mut c_void,
     ) -> *mut c_char;
@@ -92,8 +92,10 @@ pub(crate) fn libtorch_autocast_ops(device: Device) -> Result<Vec<String>> {
     strings("libtorch_autocast_ops", |ctx, sink| unsafe { tch_amp_libtorch_autocast_ops(dev, ctx, sink) })
 }
 
-/// One op of a policy: device, category and `"name"` or `"name.overload"`.
-pub(crate) type PolicyEntry<'a> = (Device, EngineCategory, &'a str);
+/// One op of a policy: device, category, `"name"` or `"name.overload"`, and for
+/// [`EngineCategory::Emulate`] the emulation bits ([`EMULATE_HALF`] | [`EMULATE_BFLOAT16`] |
+/// [`EMULATE_RECOMPUTE`]; 0 for other categories).
+pub(crate) type PolicyEntry<'a> = (Device, EngineCategory, &'a str, c_int);
 
 /// An installed policy in the engine. Immutable after install and shared through a
 /// `std::shared_ptr`; dropping the handle releases it (the kernels stay registered).
@@ -113,24 +115,20 @@ impl Drop for PolicyPtr {
     }
 }
 
-/// Bits of the emulated-dtype mask (`kEmulateHalf`, `kEmulateBFloat16` in `cast_policy.h`).
+/// Bits of an emulated op's entry (`kEmulateHalf`, `kEmulateBFloat16`, `kEmulateRecompute` in
+/// `cast_policy.h`): emulated for fp16 inputs.
 pub(crate) const EMULATE_HALF: c_int = 1;
-/// See [`EMULATE_HALF`].
+/// Emulated for bf16 inputs.
 pub(crate) const EMULATE_BFLOAT16: c_int = 2;
+/// Backward reruns the fp32 op instead of replaying its recorded graph.
+pub(crate) const EMULATE_RECOMPUTE: c_int = 4;
 
 /// Builds a policy from `entries`, registering tch-amp's kernels for ops that have none yet.
-/// The `Emulate` entries apply to the 16-bit types in `emulate_dtypes` ([`EMULATE_HALF`] |
-/// [`EMULATE_BFLOAT16`]). `torch_autocast`: torch.amp's autocast with CPU emulation
-/// (libtorch's own autocast kernels for every op but the emulated ones; `entries` hold
-/// libtorch's CPU lists).
-pub(crate) fn install(
-    entries: &[PolicyEntry<'_>],
-    allow_banned: bool,
-    emulate_dtypes: c_int,
-    torch_autocast: bool,
-) -> Result<PolicyPtr> {
+/// `torch_autocast`: torch.amp's autocast with CPU emulation (libtorch's own autocast kernels
+/// for every op but the emulated ones; `entries` hold libtorch's CPU lists).
+pub(crate) fn install(entries: &[PolicyEntry<'_>], allow_banned: bool, torch_autocast: bool) -> Result<PolicyPtr> {
     let mut names = Vec::with_capacity(entries.len());
-    for &(_, _, op) in entries {
+    for &(_, _, op, _) in entries {
         let (name, overload) = op.split_once('.').unwrap_or((op, ""));
         let c = |s: &str| {
             CString::new(s)
@@ -141,12 +139,13 @@ pub(crate) fn install(
     let raw = entries
         .iter()
         .zip(&names)
-        .map(|(&(device, category, _), (name, overload))| {
+        .map(|(&(device, category, _, emulate), (name, overload))| {
             Ok(CastEntry {
                 device: device_type_code(device)?,
                 category: category as c_int,
                 name: name.as_ptr(),
                 overload: overload.as_ptr(),
+                emulate,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -162,7 +161,6 @@ pub(crate) fn install(
                 raw.as_ptr(),
                 n,
                 c_int::from(allow_banned),
-                emulate_dtypes,
                 c_int::from(torch_autocast),
                 &mut out,
             )

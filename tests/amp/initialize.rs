@@ -8,7 +8,7 @@ use tch::nn::{self, Module, ModuleT, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_amp::cast::CpuFeatures;
 use tch_amp::error::{ConfigError, UsageError};
-use tch_amp::{initialize, Amp, AmpConfig, AmpError, CpuKernels, OptLevel, ScaleLossOptions};
+use tch_amp::{initialize, Amp, AmpConfig, AmpError, CpuKernelChoice, CpuKernels, OpClass, OptLevel, ScaleLossOptions};
 
 /// Two batch norms whose names share a prefix (`bn1`, `bn10`) and a linear named `bn1x`,
 /// to catch prefix matching.
@@ -298,7 +298,7 @@ fn o2_on_cpu_emulates_half_gemms() {
     let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
     let amp = Amp::new(&AmpConfig::new(OptLevel::O2).cpu_kernels(CpuKernels::Emulate)).unwrap();
     assert!(amp.casts_active());
-    assert_eq!(amp.properties().cpu_kernels(), Some(CpuKernels::Emulate));
+    assert_eq!(amp.properties().cpu_kernels(), Some(CpuKernelChoice::all(CpuKernels::Emulate)));
     let model = amp.cast_model(&vs, lin).unwrap();
     let y = model.forward(&x);
     // Emulation: fp32 compute of the fp16-rounded inputs, rounded once to fp16.
@@ -309,25 +309,34 @@ fn o2_on_cpu_emulates_half_gemms() {
     assert!(same(&y, &expected), "{y} vs {expected}");
     let native = Amp::new(&AmpConfig::new(OptLevel::O2).emulate_low_precision_on_cpu(false)).unwrap();
     assert!(!native.casts_active());
-    assert_eq!(native.properties().cpu_kernels(), Some(CpuKernels::Native));
+    assert_eq!(native.properties().cpu_kernels(), Some(CpuKernelChoice::all(CpuKernels::Native)));
 }
 
-/// `Auto` (the default) is resolved at initialize, per dtype, from this CPU's features, and
-/// either choice can be forced per dtype.
+/// `Auto` (the default) is resolved at initialize, per dtype and operation class, from this
+/// CPU's features (the table of `CpuFeatures::native_is_fast`), and either choice can be forced
+/// per dtype and per class.
 #[test]
-fn cpu_kernels_are_chosen_per_dtype_from_the_cpu_and_overridable() {
+fn cpu_kernels_are_chosen_per_dtype_and_class_from_the_cpu_and_overridable() {
     let cpu = CpuFeatures::detect();
     for kind in [Kind::Half, Kind::BFloat16] {
-        // The rule: bf16 native where oneDNN supports it and the CPU computes in it; fp16 always
-        // emulated (oneDNN's fp16 convolution weight gradient is its reference kernel).
-        let native = kind == Kind::BFloat16 && cpu.onednn_bf16 && (cpu.avx512_bf16 || cpu.amx_bf16);
-        let expected = if native { CpuKernels::Native } else { CpuKernels::Emulate };
+        // The table: bf16 GEMMs and convolutions native with AMX_BF16; fp16 GEMMs native with
+        // AVX512_FP16 or AMX_FP16; the rest emulated (each needs oneDNN's support of the type).
+        let native = |class: OpClass| match (class, kind) {
+            (OpClass::Gemm | OpClass::Convolution, Kind::BFloat16) => cpu.onednn_bf16 && cpu.amx_bf16,
+            (OpClass::Gemm, Kind::Half) => cpu.onednn_fp16 && (cpu.avx512_fp16 || cpu.amx_fp16),
+            _ => false,
+        };
+        let expected = OpClass::ALL.iter().fold(CpuKernelChoice::default(), |c, &class| {
+            c.with(class, if native(class) { CpuKernels::Native } else { CpuKernels::Emulate })
+        });
+        eprintln!("{kind:?} on {}: Auto chooses {expected}", cpu.summary());
         assert_eq!(cpu.auto_choice(kind), expected, "{kind:?} on {}", cpu.summary());
         let props = AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).build().unwrap();
         assert_eq!(props.low_precision_kind(), Some(kind));
         assert_eq!(props.cpu_kernels(), Some(expected), "Auto resolved at build");
         let amp = Amp::from_properties(props).unwrap();
-        assert_eq!(amp.casts_active(), expected == CpuKernels::Emulate, "the emulation policy only when emulating");
+        let any_emulated = OpClass::ALL.iter().any(|c| expected.get(*c) == CpuKernels::Emulate);
+        assert_eq!(amp.casts_active(), any_emulated, "the emulation policy only when emulating");
         drop(amp);
         let o1 = AmpConfig::new(OptLevel::O1).low_precision_dtype(kind).build().unwrap();
         assert_eq!(o1.cpu_kernels(), Some(expected));
@@ -336,9 +345,27 @@ fn cpu_kernels_are_chosen_per_dtype_from_the_cpu_and_overridable() {
         for forced in [CpuKernels::Emulate, CpuKernels::Native] {
             let p =
                 AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).cpu_kernels_for(kind, forced).build().unwrap();
-            assert_eq!(p.cpu_kernels(), Some(forced));
+            assert_eq!(p.cpu_kernels(), Some(CpuKernelChoice::all(forced)));
             assert_eq!(p.cast_settings().cpu_kernels_of(other), cpu.auto_choice(other), "the other dtype stays Auto");
+            // Forced for one class only, for both dtypes: the other classes stay Auto.
+            for class in OpClass::ALL {
+                let p = AmpConfig::new(OptLevel::O2)
+                    .cast_model_type(Some(kind))
+                    .cpu_kernels_class(class, forced)
+                    .build()
+                    .unwrap();
+                assert_eq!(p.cpu_kernels(), Some(expected.with(class, forced)), "{kind:?} {class} {forced}");
+                assert_eq!(p.cast_settings().cpu_kernels_of(other), cpu.auto_choice(other).with(class, forced));
+            }
         }
+        // From a string, as a command line gives it.
+        let parsed: CpuKernelChoice = "native,attention=emulate".parse().unwrap();
+        let p =
+            AmpConfig::new(OptLevel::O2).cast_model_type(Some(kind)).cpu_kernel_choice(kind, parsed).build().unwrap();
+        assert_eq!(
+            p.cpu_kernels(),
+            Some(CpuKernelChoice::all(CpuKernels::Native).with(OpClass::Attention, CpuKernels::Emulate))
+        );
     }
     assert_eq!(AmpConfig::new(OptLevel::O0).build().unwrap().cpu_kernels(), None, "O0 computes in fp32");
 }
@@ -380,4 +407,31 @@ fn o3_adam_on_tiny_gradients_apex_state_and_fp32_state() {
     // fp16 state: 2 + 2 + 4.
     assert_eq!(bytes, 8.0);
     assert!(record.params.iter().all(|p| p.buffers.values().all(|b| b.kind() == Kind::Half)));
+}
+
+/// A CPU kernel setting from a string: an unknown class or mode, a class named twice or an
+/// empty item is a typed error that names what is accepted.
+#[test]
+fn bad_cpu_kernel_strings_are_typed_errors() {
+    for (bad, option) in [
+        ("fast", "CPU kernels"),
+        ("gemm=fast", "CPU kernels"),
+        ("gpu=native", "CPU operation class"),
+        ("native,tensor_core=emulate", "CPU operation class"),
+        ("gemm=native,conv=emulate,gemm=emulate", "CPU kernel choice"),
+        ("native,", "CPU kernel choice"),
+        ("", "CPU kernels"),
+    ] {
+        match bad.parse::<CpuKernelChoice>() {
+            Err(ConfigError::InvalidOption { option: o, value, .. }) => {
+                assert_eq!(o, option, "{bad:?}");
+                assert!(bad.contains(value.as_str()), "{bad:?}: the message names what was given ({value:?})");
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    assert!(matches!("Conv".parse::<OpClass>(), Ok(OpClass::Convolution)));
+    assert!(matches!("EMULATE".parse::<CpuKernels>(), Ok(CpuKernels::Emulate)));
+    let err = AmpError::from("gemm=fast".parse::<CpuKernelChoice>().unwrap_err());
+    assert!(err.to_string().contains("\"auto\", \"emulate\" or \"native\""), "{err}");
 }

@@ -6,6 +6,7 @@ mod common;
 mod cache;
 mod casts;
 mod emulation;
+mod emulation_backward;
 mod policy;
 mod rnn;
 mod threads;
