@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::scaler::{LossScaler, ScalerState};
+use crate::config::rules;
 use crate::error::{mismatch, Result, TorchContext};
 use crate::torch_io::{Dict, Key, Node, Value};
 
@@ -23,7 +24,11 @@ pub(crate) fn amp_state(scalers: &[LossScaler]) -> AmpState {
 /// of `{'loss_scale': float, 'unskipped': int}` (plus tch-amp's `hysteresis_left` /
 /// `recovery_target` when set; Apex reads only its two keys).
 pub(crate) fn state_value(scalers: &[LossScaler]) -> Value {
-    states_value(scalers.iter().map(LossScaler::state))
+    let mut d = Dict::new_ordered();
+    for (i, s) in scalers.iter().enumerate() {
+        d.insert(format!("loss_scaler{i}"), scaler_value(&s.state()));
+    }
+    Value::Dict(d)
 }
 
 /// [`AmpState`] (tch-amp's own checkpoint format) as the value [`parse_state`] reads.
@@ -31,14 +36,6 @@ pub(crate) fn amp_state_value(state: &AmpState) -> Value {
     let mut d = Dict::new_ordered();
     for (key, s) in state {
         d.insert(key.as_str(), scaler_value(s));
-    }
-    Value::Dict(d)
-}
-
-fn states_value(states: impl Iterator<Item = ScalerState>) -> Value {
-    let mut d = Dict::new_ordered();
-    for (i, st) in states.enumerate() {
-        d.insert(format!("loss_scaler{i}"), scaler_value(&st));
     }
     Value::Dict(d)
 }
@@ -185,12 +182,9 @@ fn parse_grad_scaler(scalers: &[LossScaler], entries: &[(&str, Node<'_>)]) -> Re
     let backoff = num("backoff_factor")?.unwrap_or(b0);
     let interval = num("growth_interval")?.unwrap_or(current.growth_interval() as f64);
     let tracker = num("_growth_tracker")?.unwrap_or(0.0);
-    if !(growth.is_finite() && growth > 1.0) {
-        return Err(mismatch(format!("growth_factor {growth} must be > 1")));
-    }
-    if !(backoff > 0.0 && backoff < 1.0) {
-        return Err(mismatch(format!("backoff_factor {backoff} must be in (0, 1)")));
-    }
+    let in_range = |e: crate::error::AmpError| mismatch(format!("GradScaler state: {e}"));
+    let growth = rules::growth_factor("growth_factor", growth).map_err(in_range)?;
+    let backoff = rules::backoff_factor(backoff).map_err(in_range)?;
     if !((1.0..=MAX_INTERVAL).contains(&interval)
         && interval.fract() == 0.0
         && tracker >= 0.0

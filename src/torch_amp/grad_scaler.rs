@@ -404,12 +404,13 @@ impl GradScaler {
             StepOutcome::Stepped
         } else {
             // With a doctor::Watch on this thread: where the batch's first inf/NaN appeared.
-            match crate::doctor::watch::overflow_origin(self.get_scale()) {
+            let scale = self.get_scale();
+            match crate::doctor::watch::overflow_origin(scale) {
                 Some(origin) => log::warn!("GradScaler: inf/NaN gradients, step skipped; first inf/NaN at {origin}"),
                 None => log::debug!("GradScaler: inf/NaN gradients, step skipped"),
             }
             // The scale update() will set: torch's _amp_update_scale_ multiplies in fp32.
-            let loss_scale = f64::from(self.get_scale() as f32 * self.backoff_factor as f32);
+            let loss_scale = f64::from(scale as f32 * self.backoff_factor as f32);
             StepOutcome::Skipped { loss_id: 0, loss_scale }
         };
         self.state_mut(id).stage = Stage::Stepped;
