@@ -19,7 +19,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
 #include <memory>
