@@ -24,7 +24,9 @@
 //! `--budget-gib`, found by bisection on measured peaks. The GradScaler section times
 //! `unscale_` + `update` against torch's on each workload's gradients. The float8 section times an
 //! MLP of `tch_amp::float8` layers (torchao's recipes, TE's delayed scaling) against the same
-//! MLP in fp32 and under bf16 autocast (`--float8-rounds 0` skips it).
+//! MLP in fp32 and under bf16 autocast (`--float8-rounds 0` skips it). The doctor section times
+//! one `tch_amp::doctor::Doctor::run` on the cnn workload against a training step of the same
+//! set-up (`--doctor-rounds 0` skips it).
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -208,6 +210,10 @@ struct Args {
     /// TE's delayed scaling, against the same MLP in fp32 and under bf16 autocast; 0 skips it).
     #[arg(long, default_value_t = 3)]
     float8_rounds: usize,
+    /// Rounds of the precision doctor's cost (`Doctor::run` on the cnn workload against a
+    /// training step of O1, O2 and bf16 autocast; 0 skips it).
+    #[arg(long, default_value_t = 3)]
+    doctor_rounds: usize,
     /// Leave glibc's malloc at its defaults (freed multi-MiB blocks go back to the kernel and
     /// come back as fresh pages) instead of calling `tch_amp::cast::keep_freed_cpu_memory`
     /// before the first row.
@@ -1005,7 +1011,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Median, min and max.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 struct Spread {
     median: f64,
     min: f64,
@@ -1365,6 +1371,102 @@ fn print_float8(rows: &[serde_json::Value], bench: &Bench) {
     println!("|---|---:|---:|");
     for r in rows {
         println!("| {} | {} | {} |", r["label"].as_str().unwrap_or("?"), show(&r["ms"], 2), show(&r["vs_bf16"], 3));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The precision doctor's cost against a training step
+
+/// The set-ups whose doctor run is timed: O1 and O2 in fp16 and bf16 autocast, Auto's kernels.
+const DOCTOR_ROWS: [Config; 3] = [
+    Config::Amp { level: OptLevel::O1, dtype: Some(Kind::Half), kernels: CpuKernels::Auto },
+    Config::Amp { level: OptLevel::O2, dtype: Some(Kind::Half), kernels: CpuKernels::Auto },
+    Config::Autocast { dtype: Kind::BFloat16, kernels: CpuKernels::Auto },
+];
+
+/// On the cnn workload (the main job's network and batch): per set-up and round, the median of
+/// `steps` training steps of that set-up and the median of `runs` calls of `Doctor::run` on
+/// the same network (fp32 weights) and batch, and their ratio.
+fn doctor_cost(bench: &mut Bench, rounds: usize, steps: usize, runs: usize) -> Result<Vec<serde_json::Value>> {
+    use tch_amp::doctor::Doctor;
+    let w = Workload::Cnn;
+    let (x, y) = data(w, bench.device);
+    let mut out = Vec::new();
+    for c in DOCTOR_ROWS {
+        let label = c.label(bench.device.is_cuda());
+        let doctor = match c {
+            Config::Autocast { dtype, kernels } => {
+                Doctor::autocast(Autocast::new(bench.device).dtype(dtype).cpu_kernels(kernels))
+            }
+            _ => Doctor::apex(c.amp_config().ok_or_else(|| anyhow!("{label}: not an Amp set-up"))?),
+        };
+        let mut runner = bench.make_runner(w, c)?;
+        tch::manual_seed(0);
+        let vs = VarStore::new(bench.device);
+        let net = build(w, &vs);
+        let diagnose = || -> Result<()> {
+            let report = doctor.run(&vs, |pass| pass.forward_t(&net, &x, true).cross_entropy_for_logits(&y))?;
+            if !report.trains_fine() {
+                eprintln!("doctor ({label}): {}", report.summary());
+            }
+            Ok(())
+        };
+        for _ in 0..bench.args.warmup.max(1) {
+            diagnose()?;
+        }
+        let (mut step_ms, mut doctor_ms, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let s = median(&bench.round(&mut runner, &x, &y, steps, None)?);
+            let mut ms = Vec::with_capacity(runs);
+            for _ in 0..runs {
+                sync(bench.device);
+                let t = now();
+                diagnose()?;
+                sync(bench.device);
+                ms.push(ms_since(t));
+            }
+            let d = median(&ms);
+            step_ms.push(s);
+            doctor_ms.push(d);
+            ratio.push(d / s);
+            eprintln!("doctor {label}: round {}/{rounds} done", round + 1);
+        }
+        out.push(serde_json::json!({
+            "label": label,
+            "step_ms": Spread::of(&step_ms),
+            "doctor_ms": Spread::of(&doctor_ms),
+            "doctor_vs_step": Spread::of(&ratio),
+        }));
+    }
+    Ok(out)
+}
+
+fn print_doctor(rows: &[serde_json::Value]) {
+    let show = |v: &serde_json::Value, d: usize| -> String {
+        match serde_json::from_value::<Spread>(v.clone()) {
+            Ok(s) => s.show(d),
+            Err(_) => "-".into(),
+        }
+    };
+    println!();
+    println!("## The precision doctor (tch_amp::doctor) against one training step");
+    println!();
+    println!(
+        "cnn workload ({}): one `Doctor::run` (the fp32 run and the target run, forward and backward, \
+         per-op statistics) against one training step of the same set-up, Auto's kernels.",
+        Workload::Cnn.describe()
+    );
+    println!();
+    println!("| set-up | ms per training step | ms per doctor run | doctor / step |");
+    println!("|---|---:|---:|---:|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} |",
+            r["label"].as_str().unwrap_or("?"),
+            show(&r["step_ms"], 2),
+            show(&r["doctor_ms"], 2),
+            show(&r["doctor_vs_step"], 3)
+        );
     }
 }
 
@@ -1890,6 +1992,14 @@ fn main() -> Result<()> {
     } else {
         Vec::new()
     };
+    let doctor_out = if bench.args.doctor_rounds > 0 {
+        let (rounds, steps) = (bench.args.doctor_rounds, bench.args.steps);
+        let rows = doctor_cost(&mut bench, rounds, steps, steps.div_ceil(3))?;
+        print_doctor(&rows);
+        rows
+    } else {
+        Vec::new()
+    };
     let overflow = if bench.args.overflow_rounds > 0 {
         Some(overflow_cost(&bench, bench.args.overflow_rounds, bench.args.steps)?)
     } else {
@@ -1906,6 +2016,7 @@ fn main() -> Result<()> {
             "step_memory": step_memory_out,
             "grad_scaler": scaler_out,
             "float8": float8_out,
+            "doctor": doctor_out,
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

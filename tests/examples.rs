@@ -829,3 +829,39 @@ fn float8_trains_saves_and_resumes_with_delayed_scaling() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("recipe_name"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn doctor_reports_a_healthy_batch_and_names_an_overflowing_layer() {
+    let data = synthetic_data();
+    let dir = TempDir::new().unwrap();
+    let healthy = dir.path().join("healthy");
+    let common = ["--data", s(data.path()), "-b", "32"];
+    let args: Vec<&str> =
+        common.iter().copied().chain(["--levels", "O2,autocast-bf16", "--out", s(&healthy)]).collect();
+    let out = run_ok("doctor", &args);
+    assert!(out.contains("verdict: O2 fp16 trains fine"), "{out}");
+    assert!(out.contains("verdict: autocast bf16 trains fine"), "{out}");
+    let json = std::fs::read_to_string(healthy.join("doctor.json")).unwrap();
+    let reports: Vec<Value> = serde_json::from_str(&json).unwrap();
+    let targets: Vec<&str> = reports.iter().filter_map(|r| r["target"].as_str()).collect();
+    assert_eq!(targets, ["O2 fp16", "autocast bf16"]);
+    assert!(reports
+        .iter()
+        .all(|r| r["first_non_finite"].is_null() && r["modules"].as_array().is_some_and(|m| !m.is_empty())));
+
+    // Inputs 10^4 times too large: the stem's convolution overflows fp16 in the forward pass.
+    let overflow = dir.path().join("overflow");
+    let args: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--levels", "O2", "--input-scale", "1e4", "--no-plot", "--out", s(&overflow)])
+        .collect();
+    let out = run_ok("doctor", &args);
+    assert!(out.contains("first inf/NaN: forward: conv2d in stem"), "{out}");
+    assert!(out.contains("switch to bf16"), "{out}");
+    assert!(!overflow.join("doctor.png").exists());
+
+    let out = run("doctor", &common.iter().copied().chain(["--levels", "O7"]).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("O7"), "{}", String::from_utf8_lossy(&out.stderr));
+}
