@@ -1011,7 +1011,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Median, min and max.
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, serde::Serialize)]
 struct Spread {
     median: f64,
     min: f64,
@@ -1029,6 +1029,14 @@ impl Spread {
     }
     fn show(&self, digits: usize) -> String {
         format!("{:.d$} [{:.d$}–{:.d$}]", self.median, self.min, self.max, d = digits)
+    }
+}
+
+/// A [`Spread`] as written to JSON, shown as [`Spread::show`] does ("-" where a figure is missing).
+fn show_spread(v: &serde_json::Value, digits: usize) -> String {
+    match (v["median"].as_f64(), v["min"].as_f64(), v["max"].as_f64()) {
+        (Some(m), Some(a), Some(b)) => Spread { median: m, min: a, max: b }.show(digits),
+        _ => "-".into(),
     }
 }
 
@@ -1352,12 +1360,6 @@ fn float8_cost(bench: &Bench, rounds: usize, steps: usize) -> Result<Vec<serde_j
 
 fn print_float8(rows: &[serde_json::Value], bench: &Bench) {
     let (width, batch) = float8_dims(bench.device);
-    let show = |v: &serde_json::Value, d: usize| -> String {
-        match (v["median"].as_f64(), v["min"].as_f64(), v["max"].as_f64()) {
-            (Some(m), Some(a), Some(b)) => format!("{m:.d$} [{a:.d$}–{b:.d$}]"),
-            _ => "-".into(),
-        }
-    };
     println!();
     println!("## Float8 training (tch_amp::float8) against bf16 autocast");
     println!();
@@ -1370,7 +1372,12 @@ fn print_float8(rows: &[serde_json::Value], bench: &Bench) {
     println!("| configuration | ms per step | vs bf16 autocast |");
     println!("|---|---:|---:|");
     for r in rows {
-        println!("| {} | {} | {} |", r["label"].as_str().unwrap_or("?"), show(&r["ms"], 2), show(&r["vs_bf16"], 3));
+        println!(
+            "| {} | {} | {} |",
+            r["label"].as_str().unwrap_or("?"),
+            show_spread(&r["ms"], 2),
+            show_spread(&r["vs_bf16"], 3)
+        );
     }
 }
 
@@ -1442,12 +1449,6 @@ fn doctor_cost(bench: &mut Bench, rounds: usize, steps: usize, runs: usize) -> R
 }
 
 fn print_doctor(rows: &[serde_json::Value]) {
-    let show = |v: &serde_json::Value, d: usize| -> String {
-        match serde_json::from_value::<Spread>(v.clone()) {
-            Ok(s) => s.show(d),
-            Err(_) => "-".into(),
-        }
-    };
     println!();
     println!("## The precision doctor (tch_amp::doctor) against one training step");
     println!();
@@ -1463,9 +1464,9 @@ fn print_doctor(rows: &[serde_json::Value]) {
         println!(
             "| {} | {} | {} | {} |",
             r["label"].as_str().unwrap_or("?"),
-            show(&r["step_ms"], 2),
-            show(&r["doctor_ms"], 2),
-            show(&r["doctor_vs_step"], 3)
+            show_spread(&r["step_ms"], 2),
+            show_spread(&r["doctor_ms"], 2),
+            show_spread(&r["doctor_vs_step"], 3)
         );
     }
 }

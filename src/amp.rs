@@ -329,11 +329,7 @@ impl Amp {
         lr: f64,
         groups: &[ParamGroup],
     ) -> Result<AmpOptimizer> {
-        let config = config.into();
-        let layout = self.layout(vs, groups)?;
-        let opt = AmpOptimizer::build(self.optimizer_setup(), Box::new(config.rule()), Some(config), lr, layout)?;
-        self.warn_fp16_adam(&opt, config);
-        Ok(opt)
+        self.built_optimizer(vs, config.into(), lr, groups, None)
     }
 
     /// An optimizer running a user's [`UpdateRule`] (or a built-in one) over parameter groups
@@ -376,18 +372,23 @@ impl Amp {
         lr: f64,
         groups: &[ParamGroup],
     ) -> Result<AmpOptimizer> {
-        let config = config.into();
-        // The masters of the rank's shard are made when the partition is known.
-        let layout = crate::optim::amp_optimizer::layout(vs, groups, false)?;
-        let comm: Box<dyn crate::optim::Collectives> = Box::new(pg.clone());
-        let opt = AmpOptimizer::build_sharded(
-            self.optimizer_setup(),
-            Box::new(config.rule()),
-            Some(config),
-            lr,
-            layout,
-            Some(comm),
-        )?;
+        self.built_optimizer(vs, config.into(), lr, groups, Some(pg))
+    }
+
+    /// A built-in optimizer over `groups`, sharded over `pg`'s ranks when given.
+    fn built_optimizer(
+        &self,
+        vs: &VarStore,
+        config: OptimizerConfig,
+        lr: f64,
+        groups: &[ParamGroup],
+        pg: Option<&crate::distributed::ProcessGroup>,
+    ) -> Result<AmpOptimizer> {
+        // A sharded optimizer makes the masters of its rank's shard when the partition is known.
+        let layout = crate::optim::amp_optimizer::layout(vs, groups, self.plan.masters && pg.is_none())?;
+        let comm = pg.map(|pg| Box::new(pg.clone()) as Box<dyn crate::optim::Collectives>);
+        let rule = Box::new(config.rule());
+        let opt = AmpOptimizer::build_sharded(self.optimizer_setup(), rule, Some(config), lr, layout, comm)?;
         self.warn_fp16_adam(&opt, config);
         Ok(opt)
     }

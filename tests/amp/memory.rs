@@ -18,18 +18,23 @@ fn run(opt_cfg: OptimizerConfig) -> (f64, f64, f64) {
     run_with(opt_cfg, AmpConfig::new(OptLevel::O2), 1)
 }
 
+/// Linear 32-64 ("a") then linear 64-8 ("b").
+fn two_linears(vs: &VarStore) -> nn::Sequential {
+    nn::seq().add(nn::linear(vs.root() / "a", 32, 64, Default::default())).add(nn::linear(
+        vs.root() / "b",
+        64,
+        8,
+        Default::default(),
+    ))
+}
+
 /// Two steps of `opt_cfg` under `amp_cfg`, `passes` micro-batches (`scale_loss` passes) each:
 /// the bytes per parameter at the second step (before `step`) and after it, and the gradient
 /// bytes left after it.
 fn run_with(opt_cfg: OptimizerConfig, amp_cfg: AmpConfig, passes: usize) -> (f64, f64, f64) {
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);
-    let net = nn::seq().add(nn::linear(vs.root() / "a", 32, 64, Default::default())).add(nn::linear(
-        vs.root() / "b",
-        64,
-        8,
-        Default::default(),
-    ));
+    let net = two_linears(&vs);
     let (model, mut opt, mut amp) = initialize(&vs, net, opt_cfg, 1e-3, &amp_cfg.verbosity(0)).unwrap();
     let x = Tensor::randn([16, 32], (Kind::Float, Device::Cpu)) * 0.1;
     let mut step = || {
@@ -105,12 +110,7 @@ fn fp16_without_masters_and_fp32_state_holds_12_bytes() {
 fn o2_bf16_micro_batches_accumulate_in_fp32_master_gradients() {
     tch::manual_seed(0);
     let vs = VarStore::new(Device::Cpu);
-    let net = nn::seq().add(nn::linear(vs.root() / "a", 32, 64, Default::default())).add(nn::linear(
-        vs.root() / "b",
-        64,
-        8,
-        Default::default(),
-    ));
+    let net = two_linears(&vs);
     let cfg = AmpConfig::new(OptLevel::O2).cast_model_type(Some(Kind::BFloat16)).verbosity(0);
     let (model, mut opt, mut amp) = initialize(&vs, net, adam(), 1e-3, &cfg).unwrap();
     let x = Tensor::randn([16, 32], (Kind::Float, Device::Cpu)) * 0.1;

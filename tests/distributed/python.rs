@@ -27,7 +27,7 @@ use tch_amp::torch_amp::GradScalerOptions;
 use tch_amp::Autocast;
 use tch_amp::{initialize, AmpConfig, CpuKernels, GradScaler, OptLevel};
 
-use crate::support::{free_port, global_rng_lock, Peer, PEER_DEADLINE, TIMEOUT};
+use crate::support::{free_port, global_rng_lock, torch_net, Peer, PEER_DEADLINE, TIMEOUT};
 
 const B: i64 = 8;
 const STEPS: usize = 5;
@@ -64,13 +64,7 @@ fn rust_rank_and_python_zero_redundancy_optimizer_train_together() {
     let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(1);
-    let p = vs.root();
-    let net = nn::seq_t()
-        .add(nn::linear(&p / "0", 8, 32, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "2", 32, 16, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(&p / "4", 16, 4, Default::default()));
+    let net = torch_net(&vs);
     // torch.optim.Adam(lr=1e-3)'s defaults.
     let mut opt = AmpOptimizer::sharded(&pg, &vs, nn::Adam::default(), 1e-3, &[]).unwrap();
     let options = DdpOptions::default().bucket_cap_bytes(25 << 20).gradient_predivide_factor(2.0);
@@ -132,13 +126,7 @@ fn train_with_python_rank(amp_recipe: bool) {
     let pg = ProcessGroup::init(&InitOptions::new(0, 2, "127.0.0.1", port).timeout(TIMEOUT)).expect("rendezvous");
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(1);
-    let p = vs.root();
-    let net = nn::seq_t()
-        .add(nn::linear(&p / "0", 8, 32, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "2", 32, 16, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(&p / "4", 16, 4, Default::default()));
+    let net = torch_net(&vs);
     let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: false };
     let (model, mut opt, mut amp) = initialize(&vs, net, sgd, 0.1, &AmpConfig::new(OptLevel::O0)).unwrap();
     // torch's DDP divides by the world size before the sum (Apex after it): the two ranks must

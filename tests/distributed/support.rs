@@ -6,6 +6,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tch::nn::{self, VarStore};
 use tch::Tensor;
 use tch_amp::distributed::{InitOptions, ProcessGroup};
 
@@ -161,4 +162,16 @@ pub fn assert_same_on_all_ranks(pg: &ProcessGroup, t: &Tensor, what: &str) {
     for (r, x) in all.iter().enumerate() {
         assert!(x.equal(&all[0]), "{what}: rank {r} differs from rank 0");
     }
+}
+
+/// The model of the Python peers (tests/fixtures/dist_*_rank.py: an `nn.Sequential` of three
+/// linears, 8-32-16-4, relu and tanh between): names as torch's.
+pub fn torch_net(vs: &VarStore) -> nn::SequentialT {
+    let p = vs.root();
+    nn::seq_t()
+        .add(nn::linear(&p / "0", 8, 32, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "2", 32, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&p / "4", 16, 4, Default::default()))
 }

@@ -26,22 +26,10 @@ use tch_amp::torch_amp::GradScalerOptions;
 use tch_amp::AmpModel;
 use tch_amp::{Amp, AmpConfig, AmpOptimizer, Autocast, CpuKernels, FusedLamb, GradScaler, OptLevel, OptimizerConfig};
 
-use crate::support::{assert_same_on_all_ranks, free_port, ranks, two_ranks, Side, TIMEOUT};
+use crate::support::{assert_same_on_all_ranks, free_port, ranks, torch_net, two_ranks, Side, TIMEOUT};
 
 const B: i64 = 4;
 const LR: f64 = 1e-3;
-
-/// The model of tests/fixtures/dist_zero_rank.py (`nn.Sequential` of three linears): names as
-/// torch's.
-fn net(vs: &VarStore) -> nn::SequentialT {
-    let p = vs.root();
-    nn::seq_t()
-        .add(nn::linear(&p / "0", 8, 32, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "2", 32, 16, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(&p / "4", 16, 4, Default::default()))
-}
 
 /// torch's `named_parameters()` order of [`net`].
 const TORCH_ORDER: [&str; 6] = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"];
@@ -101,7 +89,7 @@ fn apex_run(
 ) -> Run<AmpModel<nn::SequentialT>> {
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(seed);
-    let net = net(&vs);
+    let net = torch_net(&vs);
     let amp = Amp::new(&config(level)).unwrap();
     let model = amp.cast_model(&vs, net).unwrap();
     let mut opt = if sharded {
@@ -117,7 +105,7 @@ fn apex_run(
 fn torch_amp_run(pg: &ProcessGroup, cfg: OptimizerConfig, sharded: bool, seed: i64) -> Run<nn::SequentialT> {
     let vs = VarStore::new(Device::Cpu);
     tch::manual_seed(seed);
-    let net = net(&vs);
+    let net = torch_net(&vs);
     let mut opt = if sharded {
         AmpOptimizer::sharded(pg, &vs, cfg, LR, &[]).unwrap()
     } else {
@@ -362,7 +350,7 @@ fn killed_peer_during_sharded_step() {
         pg.set_timeout(Duration::from_secs(5)).unwrap();
         let vs = VarStore::new(Device::Cpu);
         tch::manual_seed(1);
-        let model = net(&vs);
+        let model = torch_net(&vs);
         let mut opt = AmpOptimizer::sharded(&pg, &vs, adam(), LR, &[]).unwrap();
         let (x, y) = batch(0, 0, 1);
         let mut step = || -> Result<(), DistError> {
